@@ -31,6 +31,12 @@ def run_stage(main: Callable[[], None]) -> None:
         sys.exit(2)
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 @contextlib.contextmanager
 def atomic_dir(target: Path | str) -> Iterator[Path]:
     """Yield an empty temporary directory beside ``target``; on success it replaces ``target`` by rename.
@@ -41,6 +47,7 @@ def atomic_dir(target: Path | str) -> Iterator[Path]:
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; outputs get the usual permissions
     try:
         yield tmp
     except BaseException:
@@ -63,6 +70,7 @@ def atomic_write_bytes(path: Path | str, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

@@ -1,0 +1,147 @@
+"""Evaluate stage: COCO bbox metrics of the trained model on the val split, in original image coordinates.
+
+``python -m stages.evaluate`` runs ``models/model.pt`` on ``data/cache/val`` (the resized cache), maps the
+predicted boxes back to original pixels (divide by the cached ``scale``), converts them to COCO results
+(``[x, y, w, h]``, ``category_id``, ``score``) and scores them with pycocotools ``COCOeval`` (or
+faster-coco-eval, ``evaluate.backend``) against the val ground truth rebuilt from ``data/arrow/val``.
+
+Writes ``metrics/eval.json`` (DVC metrics): ``bbox`` (the 12 standard stats: AP, AP50, AP75, APs, APm, APl,
+AR1, AR10, AR100, ARs, ARm, ARl), ``per_class_AP``, ``num_images``, ``num_detections``; and
+``plots/pr_curve.json`` (precision-recall at IoU 0.5 and 0.75) for ``dvc plots show``.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.ipc as ipc
+import torch
+from torch.utils.data import DataLoader
+
+from stages import params as params_mod
+from stages.cocoeval import coco_evaluate, pr_curve_rows
+from stages.common import StageError, atomic_write_json, run_stage
+from stages.data import CachedDetectionDataset, collate, read_meta
+from stages.models import build_from_config
+
+log = logging.getLogger("stages.evaluate")
+
+ARROW_DIR = Path("data/arrow")
+CACHE_DIR = Path("data/cache")
+MODEL = Path("models/model.pt")
+METRICS = Path("metrics/eval.json")
+PR_CURVE = Path("plots/pr_curve.json")
+
+
+def gt_from_arrow(split_dir: Path, meta: dict) -> dict:
+    """Rebuild a COCO instances dict (images, annotations, categories) from converted Arrow shards.
+
+    Boxes are ``[x, y, w, h]`` original pixels (float32 in Arrow), ``segmentation`` is parsed back from its
+    JSON text (omitted when empty), ids are int64.
+    Raises:
+        StageError: no shards in ``split_dir``.
+    """
+    shards = sorted(Path(split_dir).glob("*.arrow"))
+    if not shards:
+        raise StageError(f"{split_dir}: no Arrow shards found (run the convert stage first)")
+    images, annotations = [], []
+    cols = ["image_id", "file_name", "width", "height", "ann_id", "bbox", "category_id", "iscrowd", "area",
+            "segmentation"]
+    for shard in shards:
+        table = ipc.open_file(pa.memory_map(str(shard))).read_all().select(cols)
+        for row in table.to_pylist():
+            images.append({"id": row["image_id"], "file_name": row["file_name"], "width": row["width"],
+                           "height": row["height"]})
+            for k in range(len(row["ann_id"])):
+                ann = {"id": row["ann_id"][k], "image_id": row["image_id"], "category_id": row["category_id"][k],
+                       "bbox": [float(v) for v in row["bbox"][k]], "area": float(row["area"][k]),
+                       "iscrowd": int(row["iscrowd"][k])}
+                if row["segmentation"][k]:
+                    ann["segmentation"] = json.loads(row["segmentation"][k])
+                annotations.append(ann)
+    return {"images": images, "annotations": annotations, "categories": meta["categories"]}
+
+
+def load_model(path: Path = MODEL, device: torch.device | str = "cpu") -> tuple[torch.nn.Module, dict]:
+    """Rebuild the trained model from ``models/model.pt`` (eval mode). Returns ``(model, checkpoint)``.
+    Raises `StageError` if the file is missing."""
+    if not Path(path).is_file():
+        raise StageError(f"{path}: not found (run the train stage first)")
+    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    model = build_from_config(ckpt["config"])
+    model.load_state_dict(ckpt["model"])
+    return model.to(device).eval(), ckpt
+
+
+@torch.inference_mode()
+def predict(model: torch.nn.Module, dataset: CachedDetectionDataset, label_to_category: dict[int, int],
+            batch_size: int = 16, score_threshold: float = 0.0,
+            device: torch.device | str = "cpu") -> list[dict]:
+    """Run ``model`` over ``dataset`` and return COCO result dicts in original image pixels.
+
+    Each result: ``image_id`` (int), ``category_id`` (int), ``bbox`` ``[x, y, w, h]`` (float, original
+    pixels, clipped to the original image), ``score`` (float in [0, 1]).
+    """
+    results = []
+    loader = DataLoader(dataset, batch_size=batch_size, collate_fn=collate, shuffle=False)
+    for images, targets in loader:
+        outputs = model([im.to(device) for im in images])
+        for out, t in zip(outputs, targets):
+            sy, sx = (float(v) for v in t["scale"])
+            oh, ow = (int(v) for v in t["orig_size"])
+            boxes = out["boxes"].float().cpu()
+            x1 = (boxes[:, 0] / sx).clamp(0, ow)
+            y1 = (boxes[:, 1] / sy).clamp(0, oh)
+            x2 = (boxes[:, 2] / sx).clamp(0, ow)
+            y2 = (boxes[:, 3] / sy).clamp(0, oh)
+            for k in range(len(boxes)):
+                score = float(out["scores"][k])
+                if score < score_threshold:
+                    continue
+                results.append({"image_id": int(t["image_id"]),
+                                "category_id": int(label_to_category[int(out["labels"][k])]),
+                                "bbox": [float(x1[k]), float(y1[k]), float(x2[k] - x1[k]), float(y2[k] - y1[k])],
+                                "score": score})
+    return results
+
+
+def label_to_category_id(meta: dict) -> dict[int, int]:
+    """Contiguous label → COCO ``category_id`` from ``data/arrow/meta.json``."""
+    return {int(label): int(cat) for cat, label in meta["category_id_to_label"].items()}
+
+
+def evaluate(cfg: params_mod.Evaluate, arrow_dir: Path = ARROW_DIR, cache_dir: Path = CACHE_DIR,
+             model_path: Path = MODEL, metrics_path: Path = METRICS, pr_path: Path = PR_CURVE) -> dict:
+    """Predict on val, score with COCOeval, write ``metrics_path`` and ``pr_path``; return the metrics dict.
+
+    Raises:
+        StageError: missing inputs; a non-finite stat (never expected from COCOeval).
+    """
+    meta = read_meta(Path(arrow_dir) / "meta.json")
+    gt = gt_from_arrow(Path(arrow_dir) / "val", meta)
+    model, _ = load_model(model_path)
+    dataset = CachedDetectionDataset(cache_dir, "val")
+    dets = predict(model, dataset, label_to_category_id(meta), cfg.batch_size, cfg.score_threshold)
+    result = coco_evaluate(gt, dets, "bbox", cfg.backend)
+    log.info("COCOeval (%s) on %d images, %d detections:\n%s", cfg.backend, result.num_images,
+             result.num_detections, result.summary)
+    bad = [k for k, v in result.stats.items() if not math.isfinite(v)]
+    if bad:
+        raise StageError(f"{metrics_path}: non-finite COCO stats {bad}")
+    metrics = {"bbox": result.stats, "per_class_AP": result.per_class_ap,
+               "num_images": result.num_images, "num_detections": result.num_detections}
+    atomic_write_json(metrics_path, metrics)
+    rows = [{**r, "iou": iou} for iou in (0.5, 0.75) for r in pr_curve_rows(result, iou=iou)]
+    atomic_write_json(pr_path, {"pr_curve": rows})
+    return metrics
+
+
+def main() -> None:
+    evaluate(params_mod.load("evaluate"))
+
+
+if __name__ == "__main__":
+    run_stage(main)
