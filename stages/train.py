@@ -153,6 +153,8 @@ def find_resume_state(cfg: params_mod.Train, fp: str, ckpt_dir: Path = CKPT_DIR)
     Raises:
         StageError: ``resume: must`` and no matching checkpoint.
     """
+    for stale in Path(ckpt_dir).glob(".ckpt-*.tmp-*"):  # a save interrupted by a kill
+        stale.unlink(missing_ok=True)
     ckpts = list_checkpoints(ckpt_dir)
     if cfg.resume == "never":
         reason = "train.resume is 'never'"
@@ -184,6 +186,16 @@ def find_resume_state(cfg: params_mod.Train, fp: str, ckpt_dir: Path = CKPT_DIR)
     return None
 
 
+def die_with_parent() -> None:
+    """Linux: have the kernel SIGKILL this worker when its launcher dies (``prctl(PR_SET_PDEATHSIG)``), so a
+    ``kill -9`` of the stage never leaves orphan workers writing checkpoints beside a resumed run."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+
+
 def setup_distributed() -> tuple[int, int, int, torch.device]:
     """Init the process group from torchrun's env (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``): nccl with one
     GPU per local rank when CUDA is available, else gloo. Returns ``(rank, world_size, local_rank, device)``."""
@@ -206,6 +218,8 @@ def train(cfg: params_mod.Train, cache_dir: Path = CACHE_DIR, arrow_meta: Path =
     Raises:
         StageError: missing inputs, unknown model, unusable weights, too many non-finite steps.
     """
+    if "LOCAL_RANK" in os.environ:
+        die_with_parent()
     rank, world, local_rank, device = setup_distributed()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // local_world))

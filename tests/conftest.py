@@ -1,0 +1,89 @@
+"""Shared fixtures: small real pipelines built from COCO128 images by running the stages' own CLIs."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+COCO128 = REPO / "data" / "coco128"
+
+# Tiny settings: a few images, a few iterations; every stage still runs for real.
+TINY_PARAMS = {
+    "convert": {"val_fraction": 0.25, "workers": 0},
+    "augment": {"workers": 0},
+    "train": {"epochs": 2, "batch_size": 4, "checkpoint_every": 2, "warmup_iters": 1, "lr": 0.01,
+              "threads": 1},
+    "evaluate": {"batch_size": 4},
+    "export": {"num_images": 2},
+}
+
+
+def stage_env() -> dict:
+    """Environment for running ``python -m stages.X`` outside the repository root."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("AWS_EC2_METADATA_DISABLED", "true")
+    return env
+
+
+def run_stage(name: str, cwd: Path, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run ``python -m stages.<name>`` in ``cwd``; on unexpected failure show its stderr."""
+    proc = subprocess.run([sys.executable, "-m", f"stages.{name}"], cwd=cwd, env=stage_env(),
+                          capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"stages.{name} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def write_params(workdir: Path, overrides: dict | None = None) -> dict:
+    """Write ``params.yaml`` into ``workdir``: the repository's params with ``TINY_PARAMS`` and ``overrides``
+    merged per section. Returns the params dict."""
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    for source in (TINY_PARAMS, overrides or {}):
+        for section, values in source.items():
+            params[section].update(values)
+    (workdir / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    return params
+
+
+def make_coco_subset(dest: Path, n_images: int = 12) -> dict:
+    """Copy the first ``n_images`` COCO128 images (sorted by id) with their annotations into ``dest`` in the
+    layout of ``data/raw`` (``annotations/instances_train2017.json``, ``train2017/``). Returns the JSON."""
+    src = json.loads((COCO128 / "annotations" / "instances_train2017.json").read_text())
+    images = sorted(src["images"], key=lambda im: im["id"])[:n_images]
+    ids = {im["id"] for im in images}
+    subset = {**src, "images": images, "annotations": [a for a in src["annotations"] if a["image_id"] in ids]}
+    (dest / "annotations").mkdir(parents=True, exist_ok=True)
+    (dest / "train2017").mkdir(parents=True, exist_ok=True)
+    (dest / "annotations" / "instances_train2017.json").write_text(json.dumps(subset))
+    for im in images:
+        shutil.copyfile(COCO128 / "train2017" / im["file_name"], dest / "train2017" / im["file_name"])
+    return subset
+
+
+@pytest.fixture(scope="session")
+def cached_workdir(tmp_path_factory) -> Path:
+    """A working directory with ``params.yaml`` (tiny), ``data/raw`` (12 COCO128 images), and the real
+    convert and augment stages' outputs ``data/arrow`` and ``data/cache``. Tests must not modify it."""
+    work = tmp_path_factory.mktemp("cached")
+    write_params(work)
+    make_coco_subset(work / "data" / "raw")
+    run_stage("convert", work)
+    run_stage("augment", work)
+    return work
+
+
+@pytest.fixture(scope="session")
+def trained_workdir(tmp_path_factory, cached_workdir) -> Path:
+    """A copy of `cached_workdir` after the real train stage (tiny params, 1 process)."""
+    work = tmp_path_factory.mktemp("trained")
+    shutil.copytree(cached_workdir, work, dirs_exist_ok=True)
+    run_stage("train", work)
+    return work

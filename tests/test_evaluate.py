@@ -1,0 +1,75 @@
+"""Evaluate stage: coordinates mapped back to original pixels, real COCOeval numbers, metrics file."""
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from conftest import run_stage
+from stages.data import CachedDetectionDataset, read_meta
+from stages.evaluate import gt_from_arrow, label_to_category_id
+from stages.cocoeval import coco_evaluate
+
+
+def test_cached_boxes_map_back_to_original(cached_workdir):
+    """Cached XYXY boxes divided by the stored scale give the COCO [x, y, w, h] boxes of the Arrow rows."""
+    meta = read_meta(cached_workdir / "data/arrow/meta.json")
+    gt = gt_from_arrow(cached_workdir / "data/arrow/val", meta)
+    by_image = {}
+    for a in gt["annotations"]:
+        if not a["iscrowd"]:
+            by_image.setdefault(a["image_id"], []).append(a["bbox"])
+    ds = CachedDetectionDataset(cached_workdir / "data/cache", "val")
+    checked = 0
+    for i in range(len(ds)):
+        _, t = ds[i]
+        sy, sx = t["scale"].tolist()
+        b = t["boxes"].double().numpy()
+        xywh = np.stack([b[:, 0] / sx, b[:, 1] / sy, (b[:, 2] - b[:, 0]) / sx, (b[:, 3] - b[:, 1]) / sy], 1)
+        expected = np.array(by_image.get(int(t["image_id"]), []), dtype=np.float64).reshape(-1, 4)
+        np.testing.assert_allclose(xywh, expected, atol=1e-3)
+        checked += len(expected)
+    assert checked > 10
+
+
+def test_ground_truth_as_detections_scores_perfect(cached_workdir):
+    """Sanity of the whole GT path: the val ground truth submitted as detections gives AP 1."""
+    meta = read_meta(cached_workdir / "data/arrow/meta.json")
+    gt = gt_from_arrow(cached_workdir / "data/arrow/val", meta)
+    dets = [{"image_id": a["image_id"], "category_id": a["category_id"], "bbox": a["bbox"], "score": 1.0}
+            for a in gt["annotations"] if not a["iscrowd"]]
+    result = coco_evaluate(gt, dets)
+    assert result.stats["AP"] == pytest.approx(1.0)
+    assert result.stats["AR100"] == pytest.approx(1.0)
+
+
+def test_evaluate_stage(trained_workdir):
+    proc = run_stage("evaluate", trained_workdir)
+    metrics = json.loads((trained_workdir / "metrics/eval.json").read_text())
+    assert list(metrics["bbox"]) == ["AP", "AP50", "AP75", "APs", "APm", "APl", "AR1", "AR10", "AR100", "ARs",
+                                     "ARm", "ARl"]
+    assert all(math.isfinite(v) and (v == -1 or 0 <= v <= 1) for v in metrics["bbox"].values())
+    meta = read_meta(trained_workdir / "data/arrow/meta.json")
+    assert metrics["num_images"] == meta["splits"]["val"]["images"]
+    assert metrics["num_detections"] > 0
+    assert "Average Precision" in proc.stderr
+    pr = json.loads((trained_workdir / "plots/pr_curve.json").read_text())["pr_curve"]
+    assert {r["iou"] for r in pr} == {0.5, 0.75}
+
+
+def test_label_mapping_roundtrip(cached_workdir):
+    meta = read_meta(cached_workdir / "data/arrow/meta.json")
+    l2c = label_to_category_id(meta)
+    assert sorted(l2c) == list(range(1, meta["num_classes"]))
+    assert sorted(l2c.values()) == sorted(c["id"] for c in meta["categories"])
+
+
+def test_missing_model_is_one_line_error(cached_workdir, tmp_path):
+    import shutil
+    work = tmp_path / "w"
+    shutil.copytree(cached_workdir, work)
+    proc = run_stage("evaluate", work, check=False)
+    assert proc.returncode == 2 and "models/model.pt: not found" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (work / "metrics").exists()

@@ -1,0 +1,67 @@
+"""Export stage: TorchScript and ONNX files that agree with the eager model, and a failing parity gate."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+
+from conftest import run_stage
+from stages.common import StageError
+from stages.data import CachedDetectionDataset
+from stages.export import match_detections
+
+
+def test_export_stage(trained_workdir, tmp_path):
+    work = tmp_path / "w"
+    shutil.copytree(trained_workdir, work)
+    run_stage("export", work)
+    report = json.loads((work / "models/export_report.json").read_text())
+    for fmt in ("torchscript", "onnx"):
+        assert report[fmt]["compared"] > 0 and report[fmt]["match"] >= 0.99
+    # the files load and run on their own, on an image of a size other than the export example's
+    image = CachedDetectionDataset(work / "data/cache", "val")[0][0]
+    image = torch.nn.functional.interpolate(image[None], size=(300, 400))[0]
+    ts = torch.jit.load(str(work / "models/model.ts"))
+    _, dets = ts([image])
+    sess = ort.InferenceSession(str(work / "models/model.onnx"), providers=["CPUExecutionProvider"])
+    boxes, scores, labels = sess.run(None, {"image": image.numpy()})
+    assert boxes.shape[1] == 4 and len(boxes) == len(scores) == len(labels) == len(dets[0]["boxes"]) > 0
+    ref = {k: dets[0][k] for k in ("boxes", "scores", "labels")}
+    got = {"boxes": torch.from_numpy(boxes), "scores": torch.from_numpy(scores),
+           "labels": torch.from_numpy(labels.astype(np.int64))}
+    m = match_detections(ref, got, 0.05, 0.99)
+    assert m["matched"] == m["compared"] > 0
+
+
+def test_match_detections_detects_disagreement():
+    ref = {"boxes": torch.tensor([[0., 0, 10, 10], [20, 20, 40, 40]]), "scores": torch.tensor([0.9, 0.8]),
+           "labels": torch.tensor([1, 2])}
+    same = match_detections(ref, ref, 0.5, 0.99)
+    assert same == {"compared": 2, "matched": 2, "max_box_diff": 0.0, "max_score_diff": 0.0}
+    moved = {**ref, "boxes": ref["boxes"] + torch.tensor([[0., 0, 0, 0], [2, 2, 2, 2]])}
+    assert match_detections(ref, moved, 0.5, 0.99)["matched"] == 1
+    relabeled = {**ref, "labels": torch.tensor([1, 3])}
+    assert match_detections(ref, relabeled, 0.5, 0.99)["matched"] == 1
+
+
+def test_parity_gate_fails_and_writes_nothing(trained_workdir, tmp_path, monkeypatch):
+    """An exported model that disagrees with the eager one stops the stage, and no model file is left."""
+    import stages.export as export_mod
+    from stages.params import Export
+
+    work = tmp_path / "w"
+    shutil.copytree(trained_workdir, work)
+    monkeypatch.chdir(work)
+    real_match = export_mod.match_detections
+
+    def shifted(ref, other, thr, iou):  # the exported boxes seen 5 pixels off
+        return real_match(ref, {**other, "boxes": other["boxes"] + 5.0}, thr, iou)
+
+    monkeypatch.setattr(export_mod, "match_detections", shifted)
+    with pytest.raises(StageError, match="parity check failed"):
+        export_mod.export(Export(num_images=2))
+    assert not any((work / "models").glob("model.ts")) and not any((work / "models").glob("model.onnx"))

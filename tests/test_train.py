@@ -1,0 +1,136 @@
+"""Train stage on real COCO128 images: outputs, resume semantics, exact resume after kill -9, bad input."""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from conftest import run_stage, stage_env, write_params
+
+
+def _ckpts(work: Path) -> list[Path]:
+    return sorted((work / "checkpoints").glob("ckpt-*.pt"))
+
+
+def test_train_outputs(trained_workdir):
+    work = trained_workdir
+    params = yaml.safe_load((work / "params.yaml").read_text())["train"]
+    meta = json.loads((work / "data/arrow/meta.json").read_text())
+    n_train = meta["splits"]["train"]["images"]
+    max_iter = params["epochs"] * (n_train // params["batch_size"])
+    model = torch.load(work / "models/model.pt", weights_only=True)
+    assert model["iters"] == max_iter
+    assert model["config"]["name"] == params["model"]
+    assert model["config"]["num_classes"] == meta["num_classes"] == 81
+    # keep_last checkpoints, the newest at the final iteration
+    ckpts = _ckpts(work)
+    assert [p.name for p in ckpts][-1] == f"ckpt-{max_iter:07d}.pt"
+    assert len(ckpts) <= params["keep_last"]
+    last = torch.load(ckpts[-1], weights_only=True)
+    for k, v in model["model"].items():
+        assert torch.equal(v, last["model"][k]), k
+    # DVCLive curves: one row per iteration, finite losses
+    metrics = json.loads((work / "dvclive/metrics.json").read_text())
+    assert metrics["step"] == max_iter
+    rows = list(csv.DictReader(open(work / "dvclive/plots/metrics/train/loss.tsv"), delimiter="\t"))
+    assert [int(r["step"]) for r in rows] == list(range(1, max_iter + 1))
+    assert all(float(r["loss"]) == float(r["loss"]) and float(r["loss"]) > 0 for r in rows)
+
+
+def _copy(src: Path, dst: Path, overrides: dict | None = None) -> Path:
+    shutil.copytree(src / "data", dst / "data")
+    write_params(dst, overrides)
+    return dst
+
+
+@pytest.mark.slow
+def test_kill9_resume_is_bit_identical(cached_workdir, tmp_path):
+    """kill -9 mid-training, then run again: final weights and optimizer state equal an uninterrupted run's."""
+    overrides = {"train": {"epochs": 3, "checkpoint_every": 1, "keep_last": 10}}
+    straight = _copy(cached_workdir, tmp_path / "straight", overrides)
+    run_stage("train", straight)
+
+    killed = _copy(cached_workdir, tmp_path / "killed", overrides)
+    proc = subprocess.Popen([sys.executable, "-m", "stages.train"], cwd=killed, env=stage_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not (killed / "checkpoints/ckpt-0000002.pt").exists():
+        assert proc.poll() is None and time.time() < deadline, "training ended before it could be killed"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    interrupted_at = len(_ckpts(killed))
+    final_iter = int(_ckpts(straight)[-1].name[5:12])
+    assert interrupted_at < final_iter, "the kill came too late to test anything"
+    time.sleep(1)  # workers die with their launcher (PR_SET_PDEATHSIG)
+    resumed = run_stage("train", killed)
+    assert "resuming from" in resumed.stderr
+
+    a = torch.load(_ckpts(straight)[-1], weights_only=True)
+    b = torch.load(_ckpts(killed)[-1], weights_only=True)
+    assert a["iter"] == b["iter"] == final_iter
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
+    assert sa.keys() == sb.keys() and len(sa) > 0
+    for k in sa:
+        assert torch.equal(sa[k]["momentum_buffer"], sb[k]["momentum_buffer"]), k
+    # the resumed run's curves have one row per iteration, no gap and no duplicate
+    rows = list(csv.DictReader(open(killed / "dvclive/plots/metrics/train/loss.tsv"), delimiter="\t"))
+    assert [int(r["step"]) for r in rows] == list(range(1, final_iter + 1))
+
+
+def test_resume_rules(trained_workdir, tmp_path):
+    work = _copy(trained_workdir, tmp_path / "w")
+    shutil.copytree(trained_workdir / "checkpoints", work / "checkpoints")
+    # same params: resumes at the end, nothing left to do
+    same = run_stage("train", work)
+    assert "resuming from" in same.stderr
+    # other params + must: a clear one-line error, exit 2
+    write_params(work, {"train": {"lr": 0.02, "resume": "must"}})
+    must = run_stage("train", work, check=False)
+    assert must.returncode == 2
+    assert "train.resume is 'must'" in must.stderr and "Traceback" not in must.stderr
+    # other params + auto: starts fresh, says why, and removes the foreign checkpoints
+    write_params(work, {"train": {"lr": 0.02, "epochs": 1}})
+    fresh = run_stage("train", work)
+    assert "starting fresh" in fresh.stderr and "other training params" in fresh.stderr
+    assert [p.name for p in _ckpts(work)] == ["ckpt-0000002.pt"]
+
+
+def test_unknown_model_is_one_line_error(cached_workdir, tmp_path):
+    work = _copy(cached_workdir, tmp_path / "w", {"train": {"model": "no_such_net"}})
+    proc = run_stage("train", work, check=False)
+    assert proc.returncode == 2
+    err = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
+    assert len(err) == 1 and "unknown model 'no_such_net'" in err[0] and "train.model" in err[0]
+    assert "Traceback" not in proc.stderr
+    assert not (work / "models/model.pt").exists() and not (work / "checkpoints").exists()
+
+
+def test_local_weights_path(trained_workdir, tmp_path):
+    """train.weights: a local state_dict file initialises the model (checked by its sha256)."""
+    from stages.common import sha256_file
+    from stages.models import build_from_config, load_weights
+
+    ckpt = torch.load(trained_workdir / "models/model.pt", weights_only=True)
+    path = tmp_path / "w.pt"
+    torch.save(ckpt["model"], path)
+    model = build_from_config(ckpt["config"])
+    out = load_weights(model, str(path), sha256_file(path))
+    assert out["loaded"] == len(ckpt["model"]) and out["skipped"] == []
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, ckpt["model"][k])
+    from stages.common import StageError
+    with pytest.raises(StageError, match="sha256"):
+        load_weights(model, str(path), "0" * 64)
