@@ -82,30 +82,105 @@ class TrainerBase:
                 h.load_state_dict(state[type(h).__name__])
 
 
-def lr_factor(it: int, max_iter: int, warmup_iters: int, warmup_start: float = 0.001) -> float:
-    """LR multiplier at iteration ``it``: linear warmup from ``warmup_start`` over ``warmup_iters``
-    iterations (as torchvision's references/detection/engine.py), then half-cosine to 0 at ``max_iter``."""
+def lr_factor(it: int, max_iter: int, warmup_iters: int, schedule: str = "cosine",
+              milestones: tuple[float, ...] = (), gamma: float = 0.1, warmup_start: float = 0.001) -> float:
+    """LR multiplier at iteration ``it`` (0-based) of ``max_iter``.
+
+    Linear warmup from ``warmup_start`` to 1 over ``warmup_iters`` iterations (the warmup of torchvision's
+    ``references/detection/engine.py``), multiplied by either a half-cosine from 1 to 0 over the remaining
+    iterations (``cosine``), or ``gamma ** k`` after the k-th milestone, milestones being fractions of
+    ``max_iter`` (``multistep``, as torch's ``MultiStepLR``).
+    """
+    warm = 1.0
     if it < warmup_iters:
         alpha = it / warmup_iters
-        return warmup_start * (1 - alpha) + alpha
+        warm = warmup_start * (1 - alpha) + alpha
+    if schedule == "multistep":
+        return warm * gamma ** sum(it >= round(m * max_iter) for m in milestones)
+    if it < warmup_iters:
+        return warm
     span = max(1, max_iter - warmup_iters)
     return 0.5 * (1 + math.cos(math.pi * min(1.0, (it - warmup_iters) / span)))
 
 
 class LRScheduleHook(HookBase):
-    """Sets every param group's lr to ``base_lr * lr_factor(iter)`` before each step (per iteration)."""
+    """Sets every param group's lr to ``base_lr * lr_factor(iter, ...)`` before each step (per iteration)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, base_lr: float, warmup_iters: int):
+    def __init__(self, optimizer: torch.optim.Optimizer, base_lr: float, warmup_iters: int,
+                 schedule: str = "cosine", milestones: tuple[float, ...] = (), gamma: float = 0.1):
         self.optimizer, self.base_lr, self.warmup_iters = optimizer, base_lr, warmup_iters
+        self.schedule, self.milestones, self.gamma = schedule, tuple(milestones), gamma
 
     def before_step(self) -> None:
-        lr = self.base_lr * lr_factor(self.trainer.iter, self.trainer.max_iter, self.warmup_iters)
+        lr = self.base_lr * lr_factor(self.trainer.iter, self.trainer.max_iter, self.warmup_iters,
+                                      self.schedule, self.milestones, self.gamma)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         self.trainer.metrics["lr"] = lr
 
     def state_dict(self) -> dict:
-        return {"base_lr": self.base_lr, "warmup_iters": self.warmup_iters}
+        return {"base_lr": self.base_lr, "warmup_iters": self.warmup_iters, "schedule": self.schedule}
+
+
+class EMAHook(HookBase):
+    """Exponential moving average of the weights (and buffers), updated after every step:
+    ``ema = decay * ema + (1 - decay) * w`` via ``torch.optim.swa_utils.AveragedModel`` with
+    ``get_ema_multi_avg_fn(decay)``. When enabled, the EMA weights are what gets evaluated and exported."""
+
+    def __init__(self, model: torch.nn.Module, decay: float):
+        from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+        self.ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True)
+        self.model, self.decay = model, decay
+
+    def after_step(self) -> None:
+        self.ema.update_parameters(self.model)
+
+    def weights(self) -> dict:
+        """The EMA state_dict with the keys of the plain model."""
+        return self.ema.module.state_dict()
+
+    def state_dict(self) -> dict:
+        return {"ema": self.ema.state_dict(), "decay": self.decay}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.ema.load_state_dict(state["ema"])
+
+
+class EvalHook(HookBase):
+    """Every ``period`` iterations and at the end, COCO-evaluates the model (its EMA when there is one) on
+    val on rank 0 with ``eval_fn(model) -> {"AP": ..., ...}``; logs the stats as ``val/<name>`` and saves the
+    weights with the best AP@[.5:.95] so far to ``best_path`` (atomically)."""
+
+    def __init__(self, period: int, eval_fn, best_path: Path, config: dict, ema: EMAHook | None = None):
+        self.period, self.eval_fn, self.best_path, self.config, self.ema = period, eval_fn, Path(best_path), config, ema
+        self.best_ap, self.best_iter = -1.0, -1
+
+    def after_step(self) -> None:
+        done = self.trainer.iter + 1
+        if done % self.period and done != self.trainer.max_iter:
+            return
+        if self.trainer.rank == 0:
+            model = self.ema.ema.module if self.ema else self.trainer.module
+            was_training = model.training
+            model.eval()
+            stats = self.eval_fn(model)
+            model.train(was_training)
+            self.trainer.eval_metrics = {f"val/{k}": v for k, v in stats.items()}
+            if stats["AP"] > self.best_ap:
+                self.best_ap, self.best_iter = float(stats["AP"]), done
+                self.best_path.parent.mkdir(parents=True, exist_ok=True)
+                save_atomic({"model": model.state_dict(), "config": self.config, "iters": done,
+                             "AP": self.best_ap}, self.best_path)
+                log.info("iteration %d: AP %.4f, best so far -> %s", done, self.best_ap, self.best_path)
+        if self.trainer.distributed:
+            dist.barrier()
+
+    def state_dict(self) -> dict:
+        return {"best_ap": self.best_ap, "best_iter": self.best_iter}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.best_ap, self.best_iter = float(state["best_ap"]), int(state["best_iter"])
 
 
 def rng_state() -> dict:
@@ -215,9 +290,14 @@ class MetricsHook(HookBase):
         self.live.next_step()
 
     def after_step(self) -> None:
-        if self.trainer.rank != 0 or (self.trainer.iter + 1) % self.period:
+        if self.trainer.rank != 0:
             return
-        row = {"step": self.trainer.iter + 1, **{f"train/{k}": float(v) for k, v in self.trainer.metrics.items()}}
+        done = self.trainer.iter + 1
+        if done % self.period and done != self.trainer.max_iter and not self.trainer.eval_metrics:
+            return
+        row = {"step": done, **{f"train/{k}": float(v) for k, v in self.trainer.metrics.items()},
+               **{k: float(v) for k, v in self.trainer.eval_metrics.items()}}
+        self.trainer.eval_metrics = {}
         self.history.append(row)
         self._log(row)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from stages.common import StageError
 
@@ -55,11 +55,19 @@ class Train(_Section):
     weights: Optional[str] = None
     weights_sha256: Optional[str] = Field(default=None, pattern=r"^[0-9a-f]{64}$")
     nproc_per_node: int = Field(default=1, ge=1)
+    nnodes: int = Field(default=1, ge=1)
+    node_rank: int = Field(default=0, ge=0)
+    rdzv_endpoint: str = Field(default="127.0.0.1:29500", pattern=r"^[^:\s]+:\d+$")
     epochs: int = Field(default=8, ge=1)
     batch_size: int = Field(default=16, ge=1)
+    accumulate: int = Field(default=1, ge=1)
+    base_batch_size: Optional[int] = Field(default=None, ge=1)
     lr: float = Field(default=0.05, gt=0)
     momentum: float = Field(default=0.9, ge=0, lt=1)
     weight_decay: float = Field(default=4e-5, ge=0)
+    schedule: Literal["cosine", "multistep"] = "cosine"
+    milestones: list[float] = Field(default_factory=lambda: [0.67, 0.89])
+    gamma: float = Field(default=0.1, gt=0, le=1)
     warmup_iters: int = Field(default=10, ge=0)
     hflip: float = Field(default=0.5, ge=0, le=1)
     seed: int = 0
@@ -70,6 +78,21 @@ class Train(_Section):
     amp: Literal["off", "bf16", "fp16"] = "off"
     max_bad_steps: int = Field(default=5, ge=0)
     threads: int = Field(default=0, ge=0)
+    deterministic: bool = False
+    channels_last: bool = False
+    compile: bool = False
+    ema: bool = False
+    ema_decay: float = Field(default=0.9998, gt=0, lt=1)
+    eval_every: int = Field(default=0, ge=0)
+    log_every: int = Field(default=1, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"train.node_rank {self.node_rank} must be < train.nnodes {self.nnodes}")
+        if any(not 0 < m < 1 for m in self.milestones) or self.milestones != sorted(self.milestones):
+            raise ValueError("train.milestones must be increasing fractions of training in (0, 1)")
+        return self
 
 
 class Evaluate(_Section):

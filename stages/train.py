@@ -15,6 +15,7 @@ is nothing to resume.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -33,8 +34,8 @@ from torch.utils.data import DataLoader
 from stages import params as params_mod
 from stages.common import StageError, run_stage
 from stages.data import CachedDetectionDataset, ResumableDistributedSampler, collate, read_meta
-from stages.hooks import (CheckpointHook, LRScheduleHook, MetricsHook, ProgressHook, Timer, TrainerBase,
-                          all_reduce_flag, check_bad_steps, list_checkpoints, rng_state, save_atomic,
+from stages.hooks import (CheckpointHook, EMAHook, EvalHook, LRScheduleHook, MetricsHook, ProgressHook, Timer,
+                          TrainerBase, all_reduce_flag, check_bad_steps, list_checkpoints, rng_state, save_atomic,
                           set_rng_state)
 from stages.models import build_from_config, load_weights, model_config
 
@@ -47,7 +48,8 @@ MODEL_OUT = Path("models/model.pt")
 LIVE_DIR = "dvclive"
 
 # Params that do not change the result of training: a checkpoint made with other values resumes.
-_NOT_IN_FINGERPRINT = {"resume", "keep_last", "checkpoint_every", "num_workers", "threads"}
+_NOT_IN_FINGERPRINT = {"resume", "keep_last", "checkpoint_every", "num_workers", "threads", "node_rank",
+                       "rdzv_endpoint", "log_every", "eval_every"}
 
 
 def fingerprint(cfg: params_mod.Train, cache_meta: bytes, arrow_meta: bytes) -> str:
@@ -73,14 +75,16 @@ class Trainer(TrainerBase):
         self.optimizer = optimizer
         self.dataset = dataset
         self.sampler = ResumableDistributedSampler(len(dataset), world_size, rank, seed=cfg.seed)
-        self.iters_per_epoch = self.sampler.num_samples // cfg.batch_size
+        self.iters_per_epoch = self.sampler.num_samples // (cfg.batch_size * cfg.accumulate)
         if self.iters_per_epoch == 0:
-            raise StageError(f"{CACHE_DIR}/train: {len(dataset)} images is fewer than one batch per rank "
-                             f"(train.batch_size={cfg.batch_size} x world size {world_size})")
+            raise StageError(f"{CACHE_DIR}/train: {len(dataset)} images is fewer than one step per rank "
+                             f"(train.batch_size={cfg.batch_size} x accumulate {cfg.accumulate} x world size "
+                             f"{world_size})")
         self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.amp)
         self.scaler = torch.amp.GradScaler(device.type, enabled=cfg.amp == "fp16" and device.type == "cuda")
         self.bad_steps = 0
         self.metrics: dict[str, float] = {}
+        self.eval_metrics: dict[str, float] = {}
         self.fingerprint = ""
         self._data = None
 
@@ -88,42 +92,65 @@ class Trainer(TrainerBase):
         it = self.iter
         while True:
             epoch, pos = divmod(it, self.iters_per_epoch)
-            self.sampler.set_epoch(epoch, pos * self.cfg.batch_size)
+            self.sampler.set_epoch(epoch, pos * self.cfg.batch_size * self.cfg.accumulate)
             self.dataset.set_epoch(epoch)
             loader = DataLoader(self.dataset, batch_size=self.cfg.batch_size, sampler=self.sampler,
                                 num_workers=self.cfg.num_workers, collate_fn=collate, drop_last=True,
                                 pin_memory=self.device.type == "cuda")
+            micro = []
             for batch in loader:
-                yield batch
-                it += 1
+                micro.append(batch)
+                if len(micro) == self.cfg.accumulate:
+                    yield micro
+                    micro = []
+                    it += 1
 
-    def run_step(self) -> None:
-        timer = Timer()
-        if self._data is None:
-            self._data = self._batches()
-        images, targets = next(self._data)
-        data_time = timer.lap()
+    def _forward(self, images, targets) -> tuple[torch.Tensor, dict]:
         images = [im.to(self.device, non_blocking=True) for im in images]
+        if self.cfg.channels_last:
+            images = [im.contiguous(memory_format=torch.channels_last) for im in images]
         targets = [{"boxes": t["boxes"].to(self.device), "labels": t["labels"].to(self.device)} for t in targets]
         with torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32,
                             enabled=self.amp_dtype is not None):
             loss_dict = self.model(images, targets)
-        loss = sum(loss_dict.values())
+        return sum(loss_dict.values()), loss_dict
+
+    def run_step(self) -> None:
+        """One optimizer step over ``train.accumulate`` micro-batches (DDP syncs gradients on the last one).
+        A non-finite loss on any rank skips the step on every rank and is counted."""
+        timer = Timer()
+        if self._data is None:
+            self._data = self._batches()
+        micro = next(self._data)
+        data_time = timer.lap()
         self.optimizer.zero_grad(set_to_none=True)
-        if all_reduce_flag(not bool(torch.isfinite(loss)), self.distributed, self.device):
+        total, terms, bad = 0.0, {}, False
+        for k, (images, targets) in enumerate(micro):
+            last = k == len(micro) - 1
+            sync = contextlib.nullcontext() if last or not self.distributed else self.model.no_sync()
+            with sync:
+                loss, loss_dict = self._forward(images, targets)
+                bad = bad or not bool(torch.isfinite(loss))
+                if not bad:
+                    self.scaler.scale(loss / len(micro)).backward()
+            total += float(loss.detach()) / len(micro)
+            for name, v in loss_dict.items():
+                terms[name] = terms.get(name, 0.0) + float(v.detach()) / len(micro)
+        if all_reduce_flag(bad, self.distributed, self.device):
+            self.optimizer.zero_grad(set_to_none=True)
             self.bad_steps += 1
-            log.warning("iteration %d: non-finite loss %s, step skipped (%d so far)", self.iter,
-                        {k: float(v) for k, v in loss_dict.items()}, self.bad_steps)
+            log.warning("iteration %d: non-finite loss %s, step skipped (%d so far)", self.iter, terms,
+                        self.bad_steps)
             check_bad_steps(self.bad_steps, self.cfg.max_bad_steps, self.iter)
+            self.metrics["bad_steps"] = self.bad_steps
             return
-        self.scaler.scale(loss).backward()
         self.scaler.step(self.optimizer)
         self.scaler.update()
         step_time = data_time + timer.lap()
-        self.metrics.update({"loss": float(loss.detach()), **{k: float(v.detach()) for k, v in loss_dict.items()},
-                             "data_time": data_time, "step_time": step_time,
-                             "images_per_s": self.cfg.batch_size * self.world_size / step_time,
-                             "bad_steps": self.bad_steps})
+        images = self.cfg.batch_size * self.cfg.accumulate * self.world_size
+        self.metrics.update({"loss": total, **terms, "data_time": data_time, "step_time": step_time,
+                             "images_per_s": images / step_time, "bad_steps": self.bad_steps,
+                             "memory_mb": memory_mb(self.device)})
 
     def checkpoint_state(self, done: int) -> dict:
         """Everything needed to continue after ``done`` completed iterations (collective across ranks)."""
@@ -143,6 +170,43 @@ class Trainer(TrainerBase):
         self.load_hooks_state(state["hooks"])
         self.bad_steps = int(state["trainer"]["bad_steps"])
         set_rng_state(state["rng"][self.rank])
+
+
+def memory_mb(device: torch.device) -> float:
+    """Peak memory in MiB: CUDA allocator peak on GPU, else this process's peak RSS (``ru_maxrss``)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    """sha256 (hex, 16 chars) over every tensor of the state_dict, in key order (CPU bytes)."""
+    h = hashlib.sha256()
+    for k, v in model.state_dict().items():
+        h.update(k.encode())
+        h.update(v.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def model_kwargs(name: str, cache_meta: dict) -> dict:
+    """Builder kwargs so the model's own transform keeps the cached size (no second resize).
+
+    SSD/SSDlite resize to a fixed size set by the builder: the cache must be ``fixed`` at that size.
+    The others (R-CNN, RetinaNet, FCOS) get ``min_size``/``max_size`` from the cache's resize settings.
+    Raises:
+        StageError: an SSD model with a cache of another size or mode.
+    """
+    if name.startswith("ssd"):
+        native = 320 if name.startswith("ssdlite320") else 300 if name.startswith("ssd300") else None
+        if cache_meta["resize"] != "fixed" or (native and cache_meta["size"] != native):
+            raise StageError(f"params.yaml: {name} resizes images to {native}x{native}; set augment.resize: fixed "
+                             f"and augment.size: {native} (cache has {cache_meta['resize']} {cache_meta['size']})")
+        return {}
+    if cache_meta["resize"] == "fixed":
+        return {"min_size": cache_meta["size"], "max_size": cache_meta["size"]}
+    return {"min_size": cache_meta["min_size"], "max_size": cache_meta["max_size"]}
 
 
 def find_resume_state(cfg: params_mod.Train, fp: str, ckpt_dir: Path = CKPT_DIR) -> dict | None:
@@ -227,26 +291,40 @@ def train(cfg: params_mod.Train, cache_dir: Path = CACHE_DIR, arrow_meta: Path =
     np.random.seed(cfg.seed + rank)
     torch.manual_seed(cfg.seed + rank)
 
+    if cfg.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+
     meta = read_meta(arrow_meta)
     cache_meta_path = Path(cache_dir) / "meta.json"
-    read_meta(cache_meta_path)
-    config = model_config(cfg.model, int(meta["num_classes"]))
+    cache_meta = read_meta(cache_meta_path)
+    config = model_config(cfg.model, int(meta["num_classes"]), **model_kwargs(cfg.model, cache_meta))
     model = build_from_config(config)
     if cfg.weights:
         load_weights(model, cfg.weights, cfg.weights_sha256)
     model.to(device).train()
+    if cfg.channels_last:
+        model.to(memory_format=torch.channels_last)
+    lr = cfg.lr
+    if cfg.base_batch_size:  # linear scaling rule (Goyal et al. 2017, arXiv:1706.02677)
+        lr = cfg.lr * cfg.batch_size * world * cfg.accumulate / cfg.base_batch_size
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    optimizer = torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     dataset = CachedDetectionDataset(cache_dir, "train", hflip=cfg.hflip, seed=cfg.seed)
     trainer = Trainer(model, optimizer, dataset, cfg, device, rank, world)
+    if cfg.compile:
+        trainer.model = torch.compile(trainer.model)
     trainer.fingerprint = fingerprint(cfg, cache_meta_path.read_bytes(), Path(arrow_meta).read_bytes())
     max_iter = cfg.epochs * trainer.iters_per_epoch
-    trainer.register_hooks([
-        LRScheduleHook(optimizer, cfg.lr, cfg.warmup_iters),
-        CheckpointHook(ckpt_dir, cfg.checkpoint_every, cfg.keep_last),
-        MetricsHook(live_dir),
-        ProgressHook(),
-    ])
+    ema = EMAHook(model, cfg.ema_decay) if cfg.ema else None
+    hooks = [LRScheduleHook(optimizer, lr, cfg.warmup_iters, cfg.schedule, cfg.milestones, cfg.gamma)]
+    hooks += [ema] if ema else []
+    if cfg.eval_every:
+        hooks.append(EvalHook(cfg.eval_every, make_eval_fn(Path(cache_dir), Path(arrow_meta)),
+                              Path(ckpt_dir) / "best.pt", config, ema))
+    hooks += [CheckpointHook(ckpt_dir, cfg.checkpoint_every, cfg.keep_last), MetricsHook(live_dir, cfg.log_every),
+              ProgressHook()]
+    trainer.register_hooks(hooks)
 
     state = find_resume_state(cfg, trainer.fingerprint, ckpt_dir) if rank == 0 else None
     if trainer.distributed:
@@ -262,25 +340,69 @@ def train(cfg: params_mod.Train, cache_dir: Path = CACHE_DIR, arrow_meta: Path =
     log.info("rank %d/%d on %s: %d images, %d iterations/epoch, iterations %d..%d", rank, world, device,
              len(dataset), trainer.iters_per_epoch, start_iter, max_iter)
     trainer.train(start_iter, max_iter)
+    check_ranks_agree(model, trainer.distributed, rank, world)
     if rank == 0:
         model_out.parent.mkdir(parents=True, exist_ok=True)
-        save_atomic({"model": model.state_dict(), "config": config, "iters": max_iter,
+        weights = ema.weights() if ema else model.state_dict()
+        save_atomic({"model": weights, "config": config, "iters": max_iter, "ema": bool(ema),
                      "fingerprint": trainer.fingerprint}, Path(model_out))
-        log.info("wrote %s after %d iterations", model_out, max_iter)
+        log.info("wrote %s after %d iterations%s", model_out, max_iter, " (EMA weights)" if ema else "")
     if trainer.distributed:
         dist.barrier()
         dist.destroy_process_group()
     return trainer
 
 
+def check_ranks_agree(model: torch.nn.Module, distributed: bool, rank: int, world: int) -> None:
+    """Log this rank's weights digest; with DDP, fail if any rank's final weights differ from rank 0's.
+    Raises `StageError` naming the ranks that diverged."""
+    digest = weights_digest(model)
+    log.info("rank %d final weights digest %s", rank, digest)
+    if not distributed:
+        return
+    digests = [None] * world
+    dist.all_gather_object(digests, digest)
+    bad = [r for r, d in enumerate(digests) if d != digests[0]]
+    if bad:
+        raise StageError(f"training: final weights of ranks {bad} differ from rank 0's ({digests})")
+
+
+def make_eval_fn(cache_dir: Path, arrow_meta: Path):
+    """``eval_fn(model) -> stats`` for `EvalHook`: COCO bbox stats on the val cache (see stages.evaluate)."""
+    from stages.cocoeval import coco_evaluate
+    from stages.evaluate import gt_from_arrow, label_to_category_id, predict
+
+    meta = read_meta(arrow_meta)
+    gt = gt_from_arrow(Path(arrow_meta).parent / "val", meta)
+    dataset = CachedDetectionDataset(cache_dir, "val")
+    l2c = label_to_category_id(meta)
+
+    def eval_fn(model):
+        return coco_evaluate(gt, predict(model, dataset, l2c, device=next(model.parameters()).device)).stats
+
+    return eval_fn
+
+
 def check_inputs(cfg: params_mod.Train) -> None:
     """Fail fast, before launching workers, on problems every worker would hit (one-line StageError)."""
     meta = read_meta(ARROW_META)
-    read_meta(CACHE_DIR / "meta.json")
-    build_from_config(model_config(cfg.model, int(meta["num_classes"])))
+    cache_meta = read_meta(CACHE_DIR / "meta.json")
+    build_from_config(model_config(cfg.model, int(meta["num_classes"]), **model_kwargs(cfg.model, cache_meta)))
     if cfg.weights and "://" not in cfg.weights and not Path(cfg.weights).exists() and \
             ("/" in cfg.weights or cfg.weights.endswith((".pt", ".pth"))):
         raise StageError(f"params.yaml: key 'train.weights': file '{cfg.weights}' not found")
+
+
+def launch_args(cfg: params_mod.Train) -> list[str]:
+    """torchrun arguments built from params: ``--standalone`` on one node; with ``train.nnodes > 1`` a static
+    rendezvous at ``train.rdzv_endpoint`` (node 0's host:port) with ``--node-rank train.node_rank``."""
+    if cfg.nnodes == 1:
+        head = ["--standalone"]
+    else:
+        host, port = cfg.rdzv_endpoint.rsplit(":", 1)
+        head = ["--nnodes", str(cfg.nnodes), "--node-rank", str(cfg.node_rank), "--master-addr", host,
+                "--master-port", port]
+    return head + ["--nproc-per-node", str(cfg.nproc_per_node), "-m", "stages.train"]
 
 
 def launch(cfg: params_mod.Train) -> None:
@@ -290,7 +412,7 @@ def launch(cfg: params_mod.Train) -> None:
     from torch.distributed.run import parse_args, run
 
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-    argv = ["--standalone", "--nproc-per-node", str(cfg.nproc_per_node), "-m", "stages.train"]
+    argv = launch_args(cfg)
     log.info("launching: torchrun %s", " ".join(argv))
     try:
         run(parse_args(argv))
