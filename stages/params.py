@@ -85,6 +85,7 @@ class Train(_Section):
     ema_decay: float = Field(default=0.9998, gt=0, lt=1)
     eval_every: int = Field(default=0, ge=0)
     log_every: int = Field(default=1, ge=1)
+    cache_url: Optional[str] = None
 
     @model_validator(mode="after")
     def _check(self):

@@ -296,8 +296,9 @@ def train(cfg: params_mod.Train, cache_dir: Path = CACHE_DIR, arrow_meta: Path =
         torch.use_deterministic_algorithms(True)
 
     meta = read_meta(arrow_meta)
-    cache_meta_path = Path(cache_dir) / "meta.json"
-    cache_meta = read_meta(cache_meta_path)
+    cache_root = cfg.cache_url or str(cache_dir)
+    cache_meta_bytes = read_cache_meta_bytes(cache_root)
+    cache_meta = json.loads(cache_meta_bytes)
     config = model_config(cfg.model, int(meta["num_classes"]), **model_kwargs(cfg.model, cache_meta))
     model = build_from_config(config)
     if cfg.weights:
@@ -310,17 +311,17 @@ def train(cfg: params_mod.Train, cache_dir: Path = CACHE_DIR, arrow_meta: Path =
         lr = cfg.lr * cfg.batch_size * world * cfg.accumulate / cfg.base_batch_size
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-    dataset = CachedDetectionDataset(cache_dir, "train", hflip=cfg.hflip, seed=cfg.seed)
+    dataset = CachedDetectionDataset(cache_root, "train", hflip=cfg.hflip, seed=cfg.seed)
     trainer = Trainer(model, optimizer, dataset, cfg, device, rank, world)
     if cfg.compile:
         trainer.model = torch.compile(trainer.model)
-    trainer.fingerprint = fingerprint(cfg, cache_meta_path.read_bytes(), Path(arrow_meta).read_bytes())
+    trainer.fingerprint = fingerprint(cfg, cache_meta_bytes, Path(arrow_meta).read_bytes())
     max_iter = cfg.epochs * trainer.iters_per_epoch
     ema = EMAHook(model, cfg.ema_decay) if cfg.ema else None
     hooks = [LRScheduleHook(optimizer, lr, cfg.warmup_iters, cfg.schedule, cfg.milestones, cfg.gamma)]
     hooks += [ema] if ema else []
     if cfg.eval_every:
-        hooks.append(EvalHook(cfg.eval_every, make_eval_fn(Path(cache_dir), Path(arrow_meta)),
+        hooks.append(EvalHook(cfg.eval_every, make_eval_fn(cache_root, Path(arrow_meta)),
                               Path(ckpt_dir) / "best.pt", config, ema))
     hooks += [CheckpointHook(ckpt_dir, cfg.checkpoint_every, cfg.keep_last), MetricsHook(live_dir, cfg.log_every),
               ProgressHook()]
@@ -367,7 +368,26 @@ def check_ranks_agree(model: torch.nn.Module, distributed: bool, rank: int, worl
         raise StageError(f"training: final weights of ranks {bad} differ from rank 0's ({digests})")
 
 
-def make_eval_fn(cache_dir: Path, arrow_meta: Path):
+def read_cache_meta_bytes(root: str) -> bytes:
+    """Bytes of ``<root>/meta.json`` for a local cache directory or a pyarrow filesystem URL (``s3://...``).
+    Raises `StageError` naming the location when it cannot be read."""
+    if "://" not in root:
+        path = Path(root) / "meta.json"
+        if not path.is_file():
+            raise StageError(f"{path}: not found (run the augment stage first)")
+        return path.read_bytes()
+    import pyarrow.fs as pafs
+
+    base, _, query = root.partition("?")
+    try:
+        fs, path = pafs.FileSystem.from_uri(base.rstrip("/") + "/meta.json" + (f"?{query}" if query else ""))
+        with fs.open_input_stream(path) as f:
+            return f.read()
+    except Exception as e:  # pyarrow raises OSError / ArrowInvalid subclasses per backend
+        raise StageError(f"train.cache_url: cannot read {base.rstrip('/')}/meta.json: {e}") from None
+
+
+def make_eval_fn(cache_dir: str | Path, arrow_meta: Path):
     """``eval_fn(model) -> stats`` for `EvalHook`: COCO bbox stats on the val cache (see stages.evaluate)."""
     from stages.cocoeval import coco_evaluate
     from stages.evaluate import gt_from_arrow, label_to_category_id, predict
@@ -386,7 +406,7 @@ def make_eval_fn(cache_dir: Path, arrow_meta: Path):
 def check_inputs(cfg: params_mod.Train) -> None:
     """Fail fast, before launching workers, on problems every worker would hit (one-line StageError)."""
     meta = read_meta(ARROW_META)
-    cache_meta = read_meta(CACHE_DIR / "meta.json")
+    cache_meta = json.loads(read_cache_meta_bytes(cfg.cache_url or str(CACHE_DIR)))
     build_from_config(model_config(cfg.model, int(meta["num_classes"]), **model_kwargs(cfg.model, cache_meta)))
     if cfg.weights and "://" not in cfg.weights and not Path(cfg.weights).exists() and \
             ("/" in cfg.weights or cfg.weights.endswith((".pt", ".pth"))):
