@@ -32,7 +32,8 @@ def _open_shards(root: str, split: str) -> list[pa.RecordBatch]:
             reader = ipc.open_file(pa.memory_map(str(shard)))
             batches += [reader.get_batch(i) for i in range(reader.num_record_batches)]
         return batches
-    fs, base = pafs.FileSystem.from_uri(root.rstrip("/") + "/" + split)
+    path, _, query = root.partition("?")  # keep a query string (endpoint_override=...) after the path
+    fs, base = pafs.FileSystem.from_uri(path.rstrip("/") + "/" + split + (f"?{query}" if query else ""))
     infos = sorted((i for i in fs.get_file_info(pafs.FileSelector(base)) if i.path.endswith(".arrow")),
                    key=lambda i: i.path)
     if not infos:
