@@ -275,15 +275,15 @@ def setup_distributed() -> tuple[int, int, int, torch.device]:
     return rank, world, local_rank, device
 
 
-def train(cfg: params_mod.Train, cache_dir: Path = CACHE_DIR, arrow_meta: Path = ARROW_META,
-          ckpt_dir: Path = CKPT_DIR, model_out: Path = MODEL_OUT, live_dir: str = LIVE_DIR) -> Trainer:
-    """Train per ``cfg`` (one process of a torchrun job, or a single process) and write ``model_out``.
+def build_trainer(cfg: params_mod.Train, cache_dir: Path = CACHE_DIR, arrow_meta: Path = ARROW_META,
+                  ckpt_dir: Path = CKPT_DIR, live_dir: str = LIVE_DIR) -> Trainer:
+    """Set up this process (distributed group, threads, seeds) and build the `Trainer` with its hooks.
 
+    The returned trainer also carries ``config`` (the model description), ``ema`` (the `EMAHook` or None)
+    and ``planned_iters`` (``epochs * iterations per epoch``).
     Raises:
-        StageError: missing inputs, unknown model, unusable weights, too many non-finite steps.
+        StageError: missing inputs, unknown model, unusable weights.
     """
-    if "LOCAL_RANK" in os.environ:
-        die_with_parent()
     rank, world, local_rank, device = setup_distributed()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // local_world))
@@ -326,7 +326,24 @@ def train(cfg: params_mod.Train, cache_dir: Path = CACHE_DIR, arrow_meta: Path =
     hooks += [CheckpointHook(ckpt_dir, cfg.checkpoint_every, cfg.keep_last), MetricsHook(live_dir, cfg.log_every),
               ProgressHook()]
     trainer.register_hooks(hooks)
+    trainer.config, trainer.ema, trainer.planned_iters = config, ema, max_iter
+    return trainer
 
+
+def train(cfg: params_mod.Train, cache_dir: Path = CACHE_DIR, arrow_meta: Path = ARROW_META,
+          ckpt_dir: Path = CKPT_DIR, model_out: Path = MODEL_OUT, live_dir: str = LIVE_DIR) -> Trainer:
+    """Train per ``cfg`` (one process of a torchrun job, or a single process), resuming from a matching
+    checkpoint per ``train.resume``, and write ``model_out`` (rank 0).
+
+    Raises:
+        StageError: missing inputs, unknown model, unusable weights, too many non-finite steps, ranks whose
+        final weights differ.
+    """
+    if "LOCAL_RANK" in os.environ:
+        die_with_parent()
+    trainer = build_trainer(cfg, cache_dir, arrow_meta, ckpt_dir, live_dir)
+    rank, world, model, ema = trainer.rank, trainer.world_size, trainer.module, trainer.ema
+    config, max_iter, device, dataset = trainer.config, trainer.planned_iters, trainer.device, trainer.dataset
     state = find_resume_state(cfg, trainer.fingerprint, ckpt_dir) if rank == 0 else None
     if trainer.distributed:
         box = [state]

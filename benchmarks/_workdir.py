@@ -1,0 +1,49 @@
+"""Shared by the benchmarks: a temporary working directory with the real convert + augment outputs for
+COCO128 (or a subset), built by running the stages' own CLIs."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def cached_workdir(n_images: int = 128, train_overrides: dict | None = None) -> Path:
+    """Make ``<tmp>/data/raw`` from the first ``n_images`` COCO128 images, write ``params.yaml`` (the
+    repository's, with ``train_overrides``), run convert and augment there; return the directory."""
+    work = Path(tempfile.mkdtemp(prefix="detpipe-bench-"))
+    src = REPO / "data" / "coco128"
+    ann = json.loads((src / "annotations" / "instances_train2017.json").read_text())
+    images = sorted(ann["images"], key=lambda im: im["id"])[:n_images]
+    ids = {im["id"] for im in images}
+    raw = work / "data" / "raw"
+    (raw / "annotations").mkdir(parents=True)
+    (raw / "train2017").mkdir()
+    ann = {**ann, "images": images, "annotations": [a for a in ann["annotations"] if a["image_id"] in ids]}
+    (raw / "annotations" / "instances_train2017.json").write_text(json.dumps(ann))
+    for im in images:
+        shutil.copyfile(src / "train2017" / im["file_name"], raw / "train2017" / im["file_name"])
+    write_params(work, train_overrides or {})
+    for stage in ("convert", "augment"):
+        subprocess.run([sys.executable, "-m", f"stages.{stage}"], cwd=work, env=env(), check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return work
+
+
+def write_params(work: Path, train_overrides: dict) -> None:
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    params["train"].update(train_overrides)
+    (work / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+
+
+def env() -> dict:
+    e = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")
+    return e
