@@ -1,0 +1,173 @@
+"""Benchmark the convert stage against ``cp -r`` of the same image files, and its peak memory vs image count.
+
+Builds COCO128 replicas in a temporary folder (copies of the image files under new names, with new image and
+annotation ids), then
+
+* times ``cp -r`` of the image folder and `stages.convert.convert` on the same images (page cache warmed for
+  both, runs interleaved, best of ``--repeat``) and prints images/s of each and their ratio (goal >= 0.5);
+* measures the peak RSS (largest process: the convert process or one of its workers, via
+  ``resource.getrusage(RUSAGE_CHILDREN)`` in a fresh wrapper process) of a convert run at each of ``--rss-sizes``
+  images, next to the peak RSS of a process that only imports the stage and loads + checks the same JSON; the
+  difference must not grow with the image count.
+
+Usage: ``python benchmarks/convert.py [--images 2048] [--rss-sizes 2048 8192] [--workers N] [--repeat 3]``.
+The last line is ``ratio: X`` (convert images/s / cp -r images/s).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from stages.params import Convert, load  # noqa: E402
+
+COCO128 = REPO / "data" / "coco128"
+ANN = "annotations/instances_train2017.json"
+
+_MEASURE = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True); "
+            "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+
+
+def build_replica(root: Path, n: int, link_from: Path | None = None) -> Path:
+    """Write ``root/raw`` with ``n`` images: COCO128 copies renamed ``r{k:03d}_<name>``, image id ``k * 10^9 +
+    id``, annotation id ``k * 10^13 + id`` (k = replica number). With ``link_from`` (a larger replica's raw
+    folder) the image files are hard links to its files instead of new copies."""
+    src = json.loads((COCO128 / ANN).read_text())
+    raw = root / "raw"
+    (raw / "train2017").mkdir(parents=True)
+    (raw / "annotations").mkdir()
+    images, anns = [], []
+    k = 0
+    while len(images) < n:
+        by_id = {}
+        for im in src["images"]:
+            if len(images) >= n:
+                break
+            name = f"r{k:03d}_{im['file_name']}"
+            dst = raw / "train2017" / name
+            if link_from is not None:
+                os.link(link_from / "train2017" / name, dst)
+            else:
+                shutil.copyfile(COCO128 / "train2017" / im["file_name"], dst)
+            new = dict(im, id=k * 10**9 + im["id"], file_name=name)
+            images.append(new)
+            by_id[im["id"]] = new["id"]
+        anns += [dict(a, id=k * 10**13 + a["id"], image_id=by_id[a["image_id"]])
+                 for a in src["annotations"] if a["image_id"] in by_id]
+        k += 1
+    data = dict(src, images=images, annotations=anns)
+    (raw / ANN).write_text(json.dumps(data))
+    return raw
+
+
+def warm(folder: Path) -> int:
+    """Read every file once (page cache); return the total bytes."""
+    total = 0
+    for p in folder.iterdir():
+        total += len(p.read_bytes())
+    return total
+
+
+def best_time(fn, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def peak_rss_mb(code: str, *args: str) -> float:
+    """Peak RSS (MB) of the largest process of ``python -c code args`` (measured in a fresh wrapper)."""
+    out = subprocess.run([sys.executable, "-c", _MEASURE, sys.executable, "-c", code, *args], check=True,
+                         capture_output=True, text=True, cwd=REPO)
+    return int(out.stdout.strip().splitlines()[-1]) / 1024.0
+
+
+CONVERT_CODE = ("import sys, json; from stages.convert import convert; from stages.params import Convert; "
+                "convert(sys.argv[1], sys.argv[2], Convert(**json.loads(sys.argv[3])), progress=False)")
+JSON_ONLY_CODE = ("import sys, json; from pathlib import Path; import stages.convert as c; "
+                  "p = Path(sys.argv[1]) / 'annotations/instances_train2017.json'; d, _ = c._load_json(p); "
+                  "c._check_coco(d, p); c._index(d, p, 'train', c.Report())")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--images", type=int, default=2048, help="images for the throughput comparison (>= 2000)")
+    ap.add_argument("--rss-sizes", type=int, nargs="*", default=[2048, 8192])
+    ap.add_argument("--workers", type=int, default=None, help="convert.workers (default: params.yaml)")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--tmp", default=None, help="folder for the replicas (default: system temp)")
+    args = ap.parse_args()
+
+    base = load("convert", REPO / "params.yaml")
+    workers = base.workers if args.workers is None else args.workers
+    params = Convert(annotations=ANN, images="train2017", val_fraction=base.val_fraction, seed=base.seed,
+                     shard_mb=base.shard_mb, workers=workers)
+    from stages.convert import convert
+
+    with tempfile.TemporaryDirectory(prefix="bench-convert-", dir=args.tmp) as tmp:
+        tmp = Path(tmp)
+        biggest = max([args.images, *args.rss_sizes])
+        t = time.perf_counter()
+        big_raw = build_replica(tmp / f"n{biggest}", biggest)
+        raws = {biggest: big_raw}
+        for n in {args.images, *args.rss_sizes} - {biggest}:
+            raws[n] = build_replica(tmp / f"n{n}", n, link_from=big_raw)
+        print(f"replicas built in {time.perf_counter() - t:.1f} s: {sorted(raws)} images", flush=True)
+
+        raw = raws[args.images]
+        nbytes = warm(raw / "train2017")
+        dst = tmp / "cp-dst"
+
+        def run_cp() -> None:
+            subprocess.run(["cp", "-r", str(raw / "train2017"), str(dst)], check=True)
+
+        def clean_cp() -> None:
+            shutil.rmtree(dst, ignore_errors=True)
+
+        out = tmp / "arrow"
+        cp_times, conv_times = [], []
+        for _ in range(args.repeat):      # interleaved, so both see the same load on a shared machine
+            clean_cp()
+            warm(raw / "train2017")
+            cp_times.append(best_time(run_cp, 1))
+            clean_cp()
+            shutil.rmtree(out, ignore_errors=True)
+            warm(raw / "train2017")
+            conv_times.append(best_time(lambda: convert(raw, out, params, progress=False), 1))
+        result = convert(raw, out, params, progress=False)
+        rows = sum(v["images"] for v in result["meta"]["splits"].values())
+        assert rows == args.images, (rows, args.images)
+        shutil.rmtree(out, ignore_errors=True)
+
+        cp_s, conv_s = min(cp_times), min(conv_times)
+        cp_ips, conv_ips = args.images / cp_s, args.images / conv_s
+        print(f"images: {args.images} ({nbytes / 1e6:.1f} MB of image files), convert.workers={workers}, "
+              f"shard_mb={params.shard_mb}, cpu cores={os.cpu_count()}")
+        print(f"cp -r:    best {cp_s:.3f} s  {cp_ips:8.1f} images/s  (runs: {', '.join(f'{x:.3f}' for x in cp_times)})")
+        print(f"convert:  best {conv_s:.3f} s  {conv_ips:8.1f} images/s  "
+              f"(runs: {', '.join(f'{x:.3f}' for x in conv_times)})")
+
+        for n in sorted(args.rss_sizes):
+            out = tmp / f"arrow-rss-{n}"
+            conv = peak_rss_mb(CONVERT_CODE, str(raws[n]), str(out), params.model_dump_json())
+            shutil.rmtree(out, ignore_errors=True)
+            only = peak_rss_mb(JSON_ONLY_CODE, str(raws[n]))
+            js = (raws[n] / ANN).stat().st_size / 1e6
+            print(f"peak RSS at {n:6d} images (JSON {js:5.1f} MB): convert {conv:7.1f} MB, "
+                  f"import + JSON only {only:7.1f} MB, convert - JSON-only {conv - only:7.1f} MB")
+        print(f"ratio: {conv_ips / cp_ips:.3f}")
+
+
+if __name__ == "__main__":
+    main()

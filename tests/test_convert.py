@@ -1,0 +1,702 @@
+"""Tests of stages/convert.py on real COCO128 images and annotations (files crafted from them with PIL)."""
+from __future__ import annotations
+
+import copy
+import io
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from PIL import Image, ImageDraw
+from pycocotools import mask as mask_utils
+
+from stages.common import StageError
+from stages.convert import RULES, SCHEMA, convert, inspect_image, split_ids
+from stages.imageio import decode_rgb
+from stages.params import Convert
+
+REPO = Path(__file__).resolve().parents[1]
+COCO = REPO / "data" / "coco128"
+ANN = "annotations/instances_train2017.json"
+BASE_IDS = (9, 25, 30)           # RGB JPEGs with 8, 2 and 2 annotations
+
+
+@pytest.fixture(scope="module")
+def coco() -> dict:
+    return json.loads((COCO / ANN).read_text())
+
+
+def subset(coco: dict, ids) -> dict:
+    """Deep copy of the COCO128 categories + the given images and their annotations."""
+    ids = set(ids)
+    return {"info": {"description": "test"}, "categories": copy.deepcopy(coco["categories"]),
+            "images": [copy.deepcopy(i) for i in coco["images"] if i["id"] in ids],
+            "annotations": [copy.deepcopy(a) for a in coco["annotations"] if a["image_id"] in ids]}
+
+
+def write_raw(root: Path, data: dict, files: dict[str, bytes] | None = None, *, images: str = "train2017",
+              ann: str = ANN) -> Path:
+    """Lay out ``root/raw`` like the download stage: the JSON and the image files (COCO128 copies unless
+    given in ``files``; a name mapped to None is left out)."""
+    raw = root / "raw"
+    (raw / images).mkdir(parents=True, exist_ok=True)
+    (raw / ann).parent.mkdir(parents=True, exist_ok=True)
+    files = files or {}
+    for im in data["images"]:
+        name = im["file_name"]
+        if name in files:
+            continue
+        if (COCO / "train2017" / name).exists():
+            shutil.copyfile(COCO / "train2017" / name, raw / images / name)
+    for name, blob in files.items():
+        if blob is not None:
+            (raw / images / name).write_bytes(blob)
+    (raw / ann).write_text(json.dumps(data))       # json.dumps writes NaN/Infinity literals
+    return raw
+
+
+def params(**kw) -> Convert:
+    base = dict(annotations=ANN, images="train2017", val_fraction=0.0, seed=0, shard_mb=64, strict=False,
+                workers=0)
+    base.update(kw)
+    return Convert(**base)
+
+
+def run(raw: Path, **kw) -> dict:
+    return convert(raw, raw.parent / "arrow", params(**kw), progress=False)
+
+
+def read_rows(out: Path, split: str = "train") -> list[dict]:
+    meta = json.loads((out / "meta.json").read_text())
+    rows = []
+    for shard in meta["splits"][split]["shards"]:
+        with pa.memory_map(str(out / shard)) as src:
+            table = pa.ipc.open_file(src).read_all()
+        assert table.schema.equals(SCHEMA)
+        rows += table.to_pylist()
+    return rows
+
+
+def findings(res: dict) -> dict[str, int]:
+    return {rule: v["count"] for rule, v in res["report"]["rules"].items() if v["count"]}
+
+
+def jpeg_bytes(im: Image.Image, **kw) -> bytes:
+    buf = io.BytesIO()
+    im.save(buf, "JPEG", quality=92, **kw)
+    return buf.getvalue()
+
+
+def png_bytes(im: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    im.save(buf, "PNG")
+    return buf.getvalue()
+
+
+def coco_image(name: str) -> Image.Image:
+    with Image.open(COCO / "train2017" / name) as im:
+        return im.convert("RGB")
+
+
+def anns_of(data: dict, image_id: int) -> list[dict]:
+    return [a for a in data["annotations"] if a["image_id"] == image_id]
+
+
+# ------------------------------------------------------------------------------------------ round trip
+
+
+def test_round_trip_real_images(tmp_path, coco):
+    ids = (9, 25, 36, 257, 250)      # 257 has a crowd RLE with id 900100000257; 250 has no annotations
+    data = subset(coco, ids)
+    raw = write_raw(tmp_path, data)
+    res = run(raw)
+    rows = read_rows(tmp_path / "arrow")
+    assert [r["image_id"] for r in rows] == sorted(ids)
+    assert findings(res) == {"image_no_annotations": 1}
+    labels = {c["id"]: k + 1 for k, c in enumerate(sorted(coco["categories"], key=lambda c: c["id"]))}
+    for row in rows:
+        im = next(i for i in data["images"] if i["id"] == row["image_id"])
+        assert row["file_name"] == im["file_name"]
+        assert (row["width"], row["height"]) == (im["width"], im["height"])
+        assert row["image"] == (COCO / "train2017" / im["file_name"]).read_bytes()
+        anns = anns_of(data, im["id"])
+        assert row["ann_id"] == [a["id"] for a in anns]
+        assert np.array_equal(np.array(row["bbox"], np.float32).reshape(-1, 4),
+                              np.array([a["bbox"] for a in anns], np.float32).reshape(-1, 4))
+        assert row["category_id"] == [a["category_id"] for a in anns]
+        assert row["label"] == [labels[a["category_id"]] for a in anns]
+        assert row["iscrowd"] == [a["iscrowd"] for a in anns]
+        assert row["area"] == [a["area"] for a in anns]
+        assert [json.loads(s) for s in row["segmentation"]] == [a["segmentation"] for a in anns]
+    assert 900100000257 in rows[[r["image_id"] for r in rows].index(257)]["ann_id"]
+    meta = res["meta"]
+    assert meta["num_classes"] == 81 and len(meta["label_names"]) == 81
+    assert meta["label_names"][0] == "__background__" and meta["label_names"][1] == "person"
+    assert meta["category_id_to_label"]["90"] == 80
+    assert meta["categories"] == coco["categories"]
+
+
+def test_large_ids_round_trip(tmp_path, coco):
+    data = subset(coco, [9])
+    big_image = 2**40 + 9
+    data["images"][0]["id"] = big_image
+    for k, a in enumerate(data["annotations"]):
+        a["image_id"] = big_image
+        a["id"] = 2**62 + k
+    data["categories"].append({"supercategory": "x", "id": 2**35, "name": "huge"})
+    data["annotations"][0]["category_id"] = 2**35
+    raw = write_raw(tmp_path, data)
+    res = run(raw)
+    (row,) = read_rows(tmp_path / "arrow")
+    assert row["image_id"] == big_image
+    assert row["ann_id"] == [2**62 + k for k in range(len(data["annotations"]))]
+    assert row["category_id"][0] == 2**35 and row["label"][0] == 81
+    assert res["meta"]["category_id_to_label"][str(2**35)] == 81
+
+
+def test_all_coco128_split_and_determinism(tmp_path):
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "annotations").symlink_to(COCO / "annotations")
+    (raw / "train2017").symlink_to(COCO / "train2017")
+    res = convert(raw, tmp_path / "a", params(val_fraction=0.2, workers=2), progress=False)
+    assert findings(res) == {"grayscale": 1, "image_no_annotations": 2}
+    assert res["report"]["rules"]["grayscale"]["examples"][0]["record"] == "image id 86"
+    splits = res["meta"]["splits"]
+    assert splits["val"]["images"] == round(128 * 0.2) and splits["train"]["images"] == 128 - 26
+    assert splits["train"]["annotations"] + splits["val"]["annotations"] == 939
+    train, val = read_rows(tmp_path / "a", "train"), read_rows(tmp_path / "a", "val")
+    t_ids, v_ids = [r["image_id"] for r in train], [r["image_id"] for r in val]
+    assert t_ids == sorted(t_ids) and v_ids == sorted(v_ids)
+    assert not set(t_ids) & set(v_ids) and len(set(t_ids) | set(v_ids)) == 128
+    assert (t_ids, v_ids) == tuple(split_ids(t_ids + v_ids, 0.2, 0))
+    # same seed, in process instead of 2 workers: byte-identical shards
+    convert(raw, tmp_path / "b", params(val_fraction=0.2, workers=0), progress=False)
+    for shard in splits["train"]["shards"] + splits["val"]["shards"]:
+        assert (tmp_path / "a" / shard).read_bytes() == (tmp_path / "b" / shard).read_bytes()
+    # another seed: another split
+    convert(raw, tmp_path / "c", params(val_fraction=0.2, seed=1, workers=0), progress=False)
+    v_ids_1 = [r["image_id"] for r in read_rows(tmp_path / "c", "val")]
+    assert len(v_ids_1) == 26 and v_ids_1 != v_ids
+
+
+def test_split_ids_deterministic():
+    ids = list(range(1000, 1100))[::-1]
+    a, b = split_ids(ids, 0.25, 7), split_ids(ids, 0.25, 7)
+    assert a == b and len(a[1]) == 25 and sorted(a[0] + a[1]) == sorted(ids)
+    assert split_ids(ids, 0.25, 8)[1] != a[1]
+    assert split_ids(ids, 0.0, 7) == (sorted(ids), [])
+    with pytest.raises(StageError, match="seed"):
+        split_ids(ids, 0.2, -1)
+
+
+def test_shard_mb_bounds_shards(tmp_path, coco):
+    ids = [i["id"] for i in coco["images"][:12]]
+    raw = write_raw(tmp_path, subset(coco, ids))
+    limit = 0.4                           # MB (10^6 bytes); COCO128 images are ~50..300 kB
+    res = run(raw, shard_mb=limit)
+    shards = res["meta"]["splits"]["train"]["shards"]
+    assert len(shards) >= 4
+    assert sorted(p.name for p in (tmp_path / "arrow" / "train").iterdir()) == [Path(s).name for s in shards]
+    seen = []
+    for shard in shards:
+        with pa.memory_map(str(tmp_path / "arrow" / shard)) as src:
+            t = pa.ipc.open_file(src).read_all()
+        sizes = [len(b) for b in t.column("image").to_pylist()]
+        assert sum(sizes) <= limit * 1e6 or len(sizes) == 1
+        seen += t.column("image_id").to_pylist()
+    assert seen == sorted(ids)
+
+
+# ------------------------------------------------------------------------------------- image rules
+
+
+def test_image_missing(tmp_path, coco):
+    data = subset(coco, BASE_IDS)
+    raw = write_raw(tmp_path, data, {"000000000025.jpg": None})
+    res = run(raw)
+    assert findings(res) == {"image_missing": 1}
+    ex = res["report"]["rules"]["image_missing"]["examples"][0]
+    assert ex["record"] == "image id 25" and ex["file"].endswith("train2017/000000000025.jpg")
+    rows = read_rows(tmp_path / "arrow")
+    assert [r["image_id"] for r in rows] == [9, 30]
+    assert res["report"]["splits"]["train"]["annotations_out"] == len(anns_of(data, 9)) + len(anns_of(data, 30))
+
+
+def _garbled(data: bytes, seed: int = 0) -> bytes:
+    rng = np.random.default_rng(seed)
+    b = bytearray(data)
+    pos = len(b) // 2
+    b[pos:pos + 1000] = rng.integers(0, 256, 1000, dtype=np.uint8).tobytes()
+    return bytes(b)
+
+
+@pytest.mark.parametrize("kind", ["truncated", "garbled", "not_an_image"])
+def test_image_unreadable(tmp_path, coco, kind):
+    real = (COCO / "train2017" / "000000000025.jpg").read_bytes()
+    blob = {"truncated": real[: len(real) // 2], "garbled": _garbled(real),
+            "not_an_image": b"<html>404 not found</html>"}[kind]
+    with pytest.raises(StageError):
+        decode_rgb(blob)                  # the crafted file really is unreadable for the project's decoder
+    raw = write_raw(tmp_path, subset(coco, BASE_IDS), {"000000000025.jpg": blob})
+    res = run(raw)
+    assert findings(res) == {"image_unreadable": 1}
+    assert res["report"]["rules"]["image_unreadable"]["examples"][0]["record"] == "image id 25"
+    assert [r["image_id"] for r in read_rows(tmp_path / "arrow")] == [9, 30]
+
+
+def test_inspect_image_agrees_with_decode_rgb():
+    """The cheaper 1/8-scale JPEG check rejects exactly the files decode_rgb rejects."""
+    outcomes = set()
+    for name in ("000000000009.jpg", "000000000036.jpg", "000000000086.jpg"):
+        real = (COCO / "train2017" / name).read_bytes()
+        variants = [real[: int(len(real) * f)] for f in (0.01, 0.3, 0.7, 0.99)] + [real + b"\0" * 100]
+        variants += [_garbled(real, s) for s in range(6)]
+        for s in range(4):
+            b = bytearray(real)
+            p = len(b) // 5 * (s + 1)
+            b[p:p + 3000] = bytes(3000)
+            variants.append(bytes(b))
+        for blob in variants:
+            try:
+                decode_rgb(blob)
+                ok_full = True
+            except StageError:
+                ok_full = False
+            try:
+                inspect_image(blob)
+                ok_cheap = True
+            except StageError:
+                ok_cheap = False
+            assert ok_cheap == ok_full
+            outcomes.add(ok_full)
+    assert outcomes == {True, False}
+
+
+def test_image_size_mismatch(tmp_path, coco):
+    data = subset(coco, BASE_IDS)
+    next(i for i in data["images"] if i["id"] == 25)["width"] += 1
+    res = run(write_raw(tmp_path, data))
+    assert findings(res) == {"image_size_mismatch": 1}
+    assert "641x426" in res["report"]["rules"]["image_size_mismatch"]["examples"][0]["detail"]
+    assert [r["image_id"] for r in read_rows(tmp_path / "arrow")] == [9, 30]
+
+
+def _magenta(rgb: np.ndarray) -> np.ndarray:
+    rgb = rgb.astype(np.int32)
+    return (rgb[..., 0] > 220) & (rgb[..., 1] < 50) & (rgb[..., 2] > 220)
+
+
+def _magenta_bounds(rgb: np.ndarray) -> tuple[int, int, int, int]:
+    ys, xs = np.nonzero(_magenta(rgb))
+    return xs.min(), ys.min(), xs.max() + 1, ys.max() + 1
+
+
+@pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_exif_orientation_maps_annotations(tmp_path, coco, orientation):
+    """JSON in the stored raster's frame (as COCO): rows come out in decode_rgb's displayed frame."""
+    im = coco_image("000000000009.jpg")                 # 640 x 480
+    assert not _magenta(np.asarray(im)).any()           # the photo has no such colour of its own
+    box = [100, 50, 120, 80]                            # x, y, w, h in the stored raster
+    ImageDraw.Draw(im).rectangle([box[0], box[1], box[0] + box[2] - 1, box[1] + box[3] - 1], fill=(255, 0, 255))
+    exif = Image.Exif()
+    if orientation != 1:
+        exif[0x0112] = orientation
+    blob = jpeg_bytes(im, exif=exif.tobytes())
+    mask = np.zeros((480, 640), np.uint8, order="F")
+    mask[50:130, 100:220] = 1
+    rle = mask_utils.encode(mask)
+    rle = {"size": rle["size"], "counts": rle["counts"].decode()}
+    x0, y0, x1, y1 = 100, 50, 220, 130
+    data = subset(coco, [9])
+    data["annotations"] = [
+        {"id": 1, "image_id": 9, "category_id": 1, "bbox": box, "iscrowd": 0, "area": 9600.0,
+         "segmentation": [[x0, y0, x1, y0, x1, y1, x0, y1]]},
+        {"id": 2, "image_id": 9, "category_id": 1, "bbox": box, "iscrowd": 1, "area": 9600.0,
+         "segmentation": rle},
+    ]
+    res = run(write_raw(tmp_path, data, {"000000000009.jpg": blob}))
+    assert findings(res) == ({} if orientation == 1 else {"exif_orientation": 1})
+    (row,) = read_rows(tmp_path / "arrow")
+    assert row["image"] == blob
+    pixels = decode_rgb(row["image"])
+    assert (row["height"], row["width"]) == pixels.shape[:2]
+    assert pixels.shape[:2] == ((640, 480) if orientation >= 5 else (480, 640))
+    bx, by, bw, bh = row["bbox"][0]
+    assert row["bbox"][1] == row["bbox"][0] and bw * bh == pytest.approx(9600)
+    mx0, my0, mx1, my1 = _magenta_bounds(pixels)        # where the painted box really is on screen
+    assert max(abs(bx - mx0), abs(by - my0), abs(bx + bw - mx1), abs(by + bh - my1)) <= 2
+    poly = np.array(json.loads(row["segmentation"][0])[0]).reshape(-1, 2)
+    assert poly.min(axis=0).tolist() == pytest.approx([bx, by]) and poly.max(axis=0).tolist() == pytest.approx(
+        [bx + bw, by + bh])
+    out_rle = json.loads(row["segmentation"][1])
+    m = mask_utils.decode({"size": out_rle["size"], "counts": out_rle["counts"].encode()})
+    assert m.shape == pixels.shape[:2] and m.sum() == 9600
+    ys, xs = np.nonzero(m)
+    assert [xs.min(), ys.min(), xs.max() + 1, ys.max() + 1] == [bx, by, bx + bw, by + bh]
+
+
+def test_exif_orientation_json_already_displayed(tmp_path, coco):
+    """JSON width/height equal to the displayed size: annotations are kept as they are."""
+    im = coco_image("000000000009.jpg")
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    blob = jpeg_bytes(im, exif=exif.tobytes())
+    data = subset(coco, [9])
+    data["images"][0].update(width=480, height=640)
+    data["annotations"] = [{"id": 1, "image_id": 9, "category_id": 1, "bbox": [10.5, 20, 30, 40], "iscrowd": 0,
+                            "area": 1200.0, "segmentation": [[10.5, 20, 40.5, 20, 40.5, 60]]}]
+    res = run(write_raw(tmp_path, data, {"000000000009.jpg": blob}))
+    assert findings(res) == {"exif_orientation": 1}
+    assert "already" in res["report"]["rules"]["exif_orientation"]["examples"][0]["detail"]
+    (row,) = read_rows(tmp_path / "arrow")
+    assert (row["width"], row["height"]) == (480, 640)
+    assert row["bbox"] == [[10.5, 20, 30, 40]]
+    assert json.loads(row["segmentation"][0]) == [[10.5, 20, 40.5, 20, 40.5, 60]]
+
+
+def _modes():
+    im = coco_image("000000000025.jpg")
+    gray16 = Image.fromarray((np.asarray(im.convert("L"), np.uint16) * 257))
+    assert gray16.mode.startswith("I;16")
+    rgba = im.convert("RGBA")
+    rgba.putalpha(128)
+    return {
+        "grayscale": (jpeg_bytes(im.convert("L")), "jpg", {"grayscale"}),
+        "cmyk": (jpeg_bytes(im.convert("CMYK")), "jpg", {"cmyk"}),
+        "png16": (png_bytes(gray16), "png", {"grayscale", "high_bit_depth"}),
+        "palette": (png_bytes(im.convert("P")), "png", {"palette"}),
+        "rgba": (png_bytes(rgba), "png", {"alpha"}),
+    }
+
+
+@pytest.mark.parametrize("kind", ["grayscale", "cmyk", "png16", "palette", "rgba"])
+def test_color_modes_counted_and_kept(tmp_path, coco, kind):
+    blob, ext, rules = _modes()[kind]
+    data = subset(coco, BASE_IDS)
+    name = f"000000000025.{ext}"
+    next(i for i in data["images"] if i["id"] == 25)["file_name"] = name
+    res = run(write_raw(tmp_path, data, {name: blob}))
+    assert findings(res) == {r: 1 for r in rules}
+    assert all(res["report"]["rules"][r]["examples"][0]["record"] == "image id 25" for r in rules)
+    rows = {r["image_id"]: r for r in read_rows(tmp_path / "arrow")}
+    assert sorted(rows) == [9, 25, 30]
+    row = rows[25]
+    assert row["image"] == blob and row["file_name"] == name
+    assert decode_rgb(row["image"]).shape == (426, 640, 3) == (row["height"], row["width"], 3)
+    assert row["ann_id"] == [a["id"] for a in anns_of(data, 25)]
+
+
+# ---------------------------------------------------------------------------------- annotation rules
+
+
+def _one_image(tmp_path, coco, anns: list[dict], **kw):
+    """Image 9 (640 x 480) with the given annotations; returns (result, row)."""
+    data = subset(coco, [9])
+    data["annotations"] = anns
+    res = run(write_raw(tmp_path, data), **kw)
+    (row,) = read_rows(tmp_path / "arrow")
+    return res, row
+
+
+def _ann(aid: int, bbox, **kw) -> dict:
+    a = {"id": aid, "image_id": 9, "category_id": 1, "bbox": bbox, "iscrowd": 0, "area": 100.0,
+         "segmentation": [[bbox[0], bbox[1], bbox[0] + 5, bbox[1], bbox[0] + 5, bbox[1] + 5]]
+         if all(map(math.isfinite, bbox)) else []}
+    a.update(kw)
+    return a
+
+
+def test_bbox_clipped(tmp_path, coco):
+    res, row = _one_image(tmp_path, coco, [_ann(1, [600.5, 400, 100, 100]), _ann(2, [-10, -5, 30, 25]),
+                                           _ann(3, [10, 10, 20, 20])])
+    assert findings(res) == {"bbox_clipped": 2}
+    assert row["ann_id"] == [1, 2, 3]
+    assert row["bbox"] == [[600.5, 400, 39.5, 80], [0, 0, 20, 20], [10, 10, 20, 20]]
+
+
+def test_bbox_nonpositive(tmp_path, coco):
+    res, row = _one_image(tmp_path, coco, [_ann(1, [10, 10, 0, 5]), _ann(2, [10, 10, 5, -3]),
+                                           _ann(3, [10, 10, 20, 20])])
+    assert findings(res) == {"bbox_nonpositive": 2}
+    assert row["ann_id"] == [3]
+
+
+def test_bbox_not_finite(tmp_path, coco):
+    res, row = _one_image(tmp_path, coco, [_ann(1, [10, float("nan"), 5, 5]), _ann(2, [10, 10, float("inf"), 5]),
+                                           _ann(3, [10, 10, 20, 20])])
+    assert findings(res) == {"bbox_not_finite": 2}
+    assert row["ann_id"] == [3]
+
+
+def test_bbox_outside(tmp_path, coco):
+    res, row = _one_image(tmp_path, coco, [_ann(1, [700, 10, 20, 20]), _ann(2, [-50, 10, 20, 20]),
+                                           _ann(3, [10, 480, 20, 20]), _ann(4, [10, 10, 20, 20])])
+    assert findings(res) == {"bbox_outside": 3}
+    assert row["ann_id"] == [4]
+
+
+def test_category_unknown(tmp_path, coco):
+    res, row = _one_image(tmp_path, coco, [_ann(1, [10, 10, 20, 20], category_id=999), _ann(2, [1, 1, 5, 5])])
+    assert findings(res) == {"category_unknown": 1}
+    assert "999" in res["report"]["rules"]["category_unknown"]["examples"][0]["detail"]
+    assert row["ann_id"] == [2] and row["label"] == [1]
+
+
+def test_iscrowd_missing(tmp_path, coco):
+    a1 = _ann(1, [10, 10, 20, 20])
+    del a1["iscrowd"]
+    res, row = _one_image(tmp_path, coco, [a1, _ann(2, [1, 1, 5, 5], iscrowd=None), _ann(3, [1, 1, 5, 5], iscrowd=1)])
+    assert findings(res) == {"iscrowd_missing": 2}
+    assert row["iscrowd"] == [0, 0, 1]
+
+
+def test_area_missing(tmp_path, coco):
+    real = copy.deepcopy(anns_of(coco, 9)[0])          # a real polygon with COCO's own area
+    given = real.pop("area")
+    no_seg = _ann(2, [10, 10, 20, 30], area=None)
+    del no_seg["segmentation"]
+    nan_area = _ann(3, [10, 10, 4, 5], area=float("nan"), segmentation=[])
+    res, row = _one_image(tmp_path, coco, [real, no_seg, nan_area])
+    assert findings(res) == {"area_missing": 3}
+    assert row["area"][0] == pytest.approx(given, rel=0.01)   # mask area vs COCO's polygon area
+    assert row["area"][1:] == [600.0, 20.0]
+    assert row["segmentation"][1] == ""
+
+
+def test_duplicate_image_id(tmp_path, coco):
+    data = subset(coco, BASE_IDS)
+    dup = dict(next(i for i in data["images"] if i["id"] == 25), file_name="000000000030.jpg")
+    data["images"].append(dup)
+    res = run(write_raw(tmp_path, data))
+    assert findings(res) == {"duplicate_image_id": 1}
+    rows = read_rows(tmp_path / "arrow")
+    assert [r["image_id"] for r in rows] == [9, 25, 30]
+    assert rows[1]["file_name"] == "000000000025.jpg" and rows[1]["ann_id"] == [a["id"] for a in anns_of(data, 25)]
+
+
+def test_duplicate_annotation_id(tmp_path, coco):
+    data = subset(coco, BASE_IDS)
+    first = anns_of(data, 25)[0]
+    data["annotations"].append(dict(first, image_id=30, bbox=[1, 2, 3, 4]))
+    res = run(write_raw(tmp_path, data))
+    assert findings(res) == {"duplicate_annotation_id": 1}
+    rows = {r["image_id"]: r for r in read_rows(tmp_path / "arrow")}
+    assert rows[25]["ann_id"].count(first["id"]) == 1 and first["id"] not in rows[30]["ann_id"]
+    assert res["meta"]["splits"]["train"]["annotations"] == 12
+
+
+def test_annotation_unknown_image(tmp_path, coco):
+    data = subset(coco, BASE_IDS)
+    data["annotations"].append(_ann(77, [1, 1, 5, 5], image_id=123456))
+    res = run(write_raw(tmp_path, data))
+    assert findings(res) == {"annotation_unknown_image": 1}
+    assert res["report"]["rules"]["annotation_unknown_image"]["examples"][0]["record"] == \
+        "annotation id 77 (image id 123456)"
+    assert all(77 not in r["ann_id"] for r in read_rows(tmp_path / "arrow"))
+    assert res["meta"]["splits"]["train"]["annotations"] == 12
+
+
+def test_image_no_annotations_kept(tmp_path, coco):
+    data = subset(coco, (9, 25, 250))                   # 250 has no annotations in COCO
+    for a in anns_of(data, 25):
+        a["category_id"] = 999                          # all of 25's annotations get dropped
+    res = run(write_raw(tmp_path, data))
+    assert findings(res) == {"image_no_annotations": 2, "category_unknown": 2}
+    details = [e["detail"] for e in res["report"]["rules"]["image_no_annotations"]["examples"]]
+    assert any("no annotations in the JSON" in d for d in details) and any("all 2" in d for d in details)
+    rows = {r["image_id"]: r for r in read_rows(tmp_path / "arrow")}
+    assert sorted(rows) == [9, 25, 250]
+    for i in (25, 250):
+        assert rows[i]["ann_id"] == [] and rows[i]["bbox"] == [] and rows[i]["segmentation"] == []
+
+
+def test_report_lists_every_rule(tmp_path, coco):
+    res = run(write_raw(tmp_path, subset(coco, BASE_IDS)))
+    report = json.loads((tmp_path / "arrow" / "report.json").read_text())
+    assert report == res["report"]
+    assert list(report["rules"]) == list(RULES)
+    assert all(v["action"] in ("dropped", "fixed", "kept") for v in report["rules"].values())
+
+
+def test_report_keeps_first_five_examples(tmp_path, coco):
+    res, row = _one_image(tmp_path, coco, [_ann(k, [10, 10, 0, 5]) for k in range(1, 9)] + [_ann(20, [1, 1, 5, 5])])
+    rule = res["report"]["rules"]["bbox_nonpositive"]
+    assert rule["count"] == 8 and [e["record"] for e in rule["examples"]] == [
+        f"annotation id {k} (image id 9)" for k in range(1, 6)]
+
+
+# ------------------------------------------------------------------------------------------ explicit val
+
+
+def _two_files(tmp_path, coco, val_data_edit=None):
+    train = subset(coco, [i["id"] for i in coco["images"][:6]])
+    val = subset(coco, [i["id"] for i in coco["images"][6:9]])
+    if val_data_edit:
+        val_data_edit(val, train)
+    raw = write_raw(tmp_path, train)
+    write_raw(tmp_path, val, images="val2017", ann="annotations/instances_val2017.json")
+    return raw, train, val
+
+
+def test_explicit_val_file(tmp_path, coco):
+    raw, train, val = _two_files(tmp_path, coco)
+    res = run(raw, val_annotations="annotations/instances_val2017.json", val_images="val2017", val_fraction=0.5)
+    out = tmp_path / "arrow"
+    assert [r["image_id"] for r in read_rows(out, "train")] == sorted(i["id"] for i in train["images"])
+    val_rows = read_rows(out, "val")
+    assert [r["image_id"] for r in val_rows] == sorted(i["id"] for i in val["images"])
+    assert val_rows[0]["image"] == (COCO / "train2017" / val_rows[0]["file_name"]).read_bytes()
+    assert res["meta"]["val_fraction"] is None
+    assert res["meta"]["val_annotations_file"] == "annotations/instances_val2017.json"
+    assert res["meta"]["splits"]["val"]["annotations"] == len(val["annotations"])
+
+
+def test_explicit_val_duplicate_of_train_id(tmp_path, coco):
+    def edit(val, train):
+        val["images"][0]["id"] = train["images"][0]["id"]
+        for a in val["annotations"]:
+            if a["image_id"] == coco["images"][6]["id"]:
+                a["image_id"] = train["images"][0]["id"]
+    raw, train, val = _two_files(tmp_path, coco, edit)
+    res = run(raw, val_annotations="annotations/instances_val2017.json", val_images="val2017")
+    assert findings(res) == {"duplicate_image_id": 1}
+    assert "train file" in res["report"]["rules"]["duplicate_image_id"]["examples"][0]["detail"]
+    assert len(read_rows(tmp_path / "arrow", "val")) == 2
+
+
+def test_explicit_val_categories_must_agree(tmp_path, coco):
+    raw, _, _ = _two_files(tmp_path, coco, lambda val, train: val["categories"][3].update(name="motorbike"))
+    with pytest.raises(StageError, match=r"instances_val2017.json: categories differ from .*instances_train2017"):
+        run(raw, val_annotations="annotations/instances_val2017.json", val_images="val2017")
+    assert not (tmp_path / "arrow").exists()
+
+
+# --------------------------------------------------------------------------------- strict and errors
+
+
+@pytest.mark.parametrize("rule", ["image_missing", "bbox_clipped", "grayscale", "image_no_annotations",
+                                  "duplicate_annotation_id"])
+def test_strict_turns_rules_into_errors(tmp_path, coco, rule):
+    data = subset(coco, BASE_IDS)
+    files = {}
+    if rule == "image_missing":
+        files["000000000030.jpg"] = None
+    elif rule == "bbox_clipped":
+        anns_of(data, 30)[0]["bbox"] = [630, 10, 20, 20]
+    elif rule == "grayscale":
+        files["000000000030.jpg"] = jpeg_bytes(coco_image("000000000030.jpg").convert("L"))
+    elif rule == "image_no_annotations":
+        data["annotations"] = [a for a in data["annotations"] if a["image_id"] != 30]
+    else:
+        data["annotations"].append(dict(anns_of(data, 30)[0]))
+    raw = write_raw(tmp_path, data, files)
+    run(raw)                                             # not strict: fine
+    shutil.rmtree(tmp_path / "arrow")
+    with pytest.raises(StageError) as e:
+        run(raw, strict=True, workers=1)
+    msg = str(e.value)
+    assert "\n" not in msg and f"rule '{rule}'" in msg
+    assert ("000000000030.jpg" in msg) or ("instances_train2017.json" in msg)
+    assert ("image id 30" in msg) or ("annotation id" in msg)
+    assert not (tmp_path / "arrow").exists()
+
+
+def test_no_partial_output_after_failure(tmp_path, coco):
+    ids = [i["id"] for i in coco["images"][:8]]
+    data = subset(coco, ids)
+    late = data["images"][5]["file_name"]
+    raw = write_raw(tmp_path, data, {late: jpeg_bytes(coco_image(late).convert("L"))})
+    out = tmp_path / "arrow"
+    out.mkdir()
+    (out / "previous.txt").write_text("old output")
+    with pytest.raises(StageError, match="grayscale"):
+        convert(raw, out, params(strict=True, shard_mb=0.2, workers=2), progress=False)  # fails in a later shard
+    assert sorted(p.name for p in out.iterdir()) == ["previous.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["arrow", "raw"]      # no temporary folder left
+
+
+def _malformed_cases():
+    def edit(fn):
+        return fn
+    return {
+        "not_json": (b"{\"images\": [", "not valid JSON"),
+        "top_level": (b"[]", "top level must be a JSON object"),
+        "missing_images": (lambda d: d.pop("images"), "missing key 'images'"),
+        "annotations_type": (lambda d: d.update(annotations={}), "key 'annotations' must be an array"),
+        "image_id_type": (lambda d: d["images"][0].update(id="9"), "images[0]: key 'id' must be an integer"),
+        "width": (lambda d: d["images"][1].update(width=0), "images[1] (id 25): key 'width'"),
+        "file_name": (lambda d: d["images"][0].update(file_name="../x.jpg"), "key 'file_name'"),
+        "bbox": (lambda d: d["annotations"][2].update(bbox=[1, 2, 3]), "annotations[2] (id "),
+        "iscrowd": (lambda d: d["annotations"][0].update(iscrowd=2), "key 'iscrowd' must be 0 or 1"),
+        "category_name": (lambda d: d["categories"][0].pop("name"), "categories[0] (id 1): key 'name'"),
+        "id_too_big": (lambda d: d["annotations"][0].update(id=2**63), "key 'id' must be in"),
+        "segmentation": (lambda d: d["annotations"][0].update(segmentation="x"), "key 'segmentation'"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_malformed_cases()))
+def test_malformed_json_is_one_line_error(tmp_path, coco, case):
+    change, expected = _malformed_cases()[case]
+    data = subset(coco, BASE_IDS)
+    raw = write_raw(tmp_path, data)
+    path = raw / ANN
+    if isinstance(change, bytes):
+        path.write_bytes(change)
+    else:
+        change(data)
+        path.write_text(json.dumps(data))
+    with pytest.raises(StageError) as e:
+        run(raw)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(str(path)) and expected in msg
+    if case == "bbox":
+        assert "key 'bbox'" in msg
+    assert not (tmp_path / "arrow").exists()
+
+
+def test_missing_annotation_file_and_image_folder(tmp_path, coco):
+    raw = write_raw(tmp_path, subset(coco, BASE_IDS))
+    with pytest.raises(StageError, match=r"instances_val2017.json: annotation file not found$"):
+        run(raw, annotations="annotations/instances_val2017.json")
+    with pytest.raises(StageError, match="image folder not found"):
+        run(raw, images="val2017")
+    with pytest.raises(StageError, match="val_images is set but convert.val_annotations is null"):
+        run(raw, val_images="train2017")
+
+
+def test_empty_train_split_is_an_error(tmp_path, coco):
+    raw = write_raw(tmp_path, subset(coco, BASE_IDS), {f"{i:012d}.jpg": None for i in BASE_IDS})
+    with pytest.raises(StageError, match="no usable images"):
+        run(raw)
+
+
+def test_cli(tmp_path, coco):
+    """``python -m stages.convert`` from a project root: writes data/arrow; broken JSON -> exit 2, one line."""
+    (tmp_path / "data").mkdir()
+    raw = write_raw(tmp_path / "data", subset(coco, BASE_IDS))
+    shutil.copyfile(REPO / "params.yaml", tmp_path / "params.yaml")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    cmd = [sys.executable, "-m", "stages.convert"]
+    ok = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    meta = json.loads((tmp_path / "data" / "arrow" / "meta.json").read_text())
+    assert sum(s["images"] for s in meta["splits"].values()) == 3
+    assert "convert: train" in ok.stderr
+    before = {p: p.read_bytes() for p in (tmp_path / "data" / "arrow").rglob("*") if p.is_file()}
+    (raw / ANN).write_text('{"images": [], "annotations": []}')
+    bad = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2
+    assert "Traceback" not in bad.stderr
+    lines = bad.stderr.strip().splitlines()
+    assert lines[-1] == f"error: data/raw/{ANN}: missing key 'categories'"
+    assert sum(line.startswith("error:") for line in lines) == 1
+    assert {p: p.read_bytes() for p in (tmp_path / "data" / "arrow").rglob("*") if p.is_file()} == before
