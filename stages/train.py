@@ -37,6 +37,7 @@ from stages.data import CachedDetectionDataset, ResumableDistributedSampler, col
 from stages.hooks import (CheckpointHook, EMAHook, EvalHook, LRScheduleHook, MetricsHook, ProgressHook, Timer,
                           TrainerBase, all_reduce_flag, check_bad_steps, list_checkpoints, rng_state, save_atomic,
                           set_rng_state)
+from stages.launch import launch_module
 from stages.models import build_from_config, load_weights, model_config
 
 log = logging.getLogger("stages.train")
@@ -363,7 +364,7 @@ def train(cfg: params_mod.Train, cache_dir: Path = CACHE_DIR, arrow_meta: Path =
         model_out.parent.mkdir(parents=True, exist_ok=True)
         weights = ema.weights() if ema else model.state_dict()
         save_atomic({"model": weights, "config": config, "iters": max_iter, "ema": bool(ema),
-                     "fingerprint": trainer.fingerprint}, Path(model_out))
+                     "fingerprint": trainer.fingerprint, "params": cfg.model_dump()}, Path(model_out))
         log.info("wrote %s after %d iterations%s", model_out, max_iter, " (EMA weights)" if ema else "")
     if trainer.distributed:
         dist.barrier()
@@ -443,20 +444,8 @@ def launch_args(cfg: params_mod.Train) -> list[str]:
 
 
 def launch(cfg: params_mod.Train) -> None:
-    """Run ``torchrun --standalone --nproc-per-node N -m stages.train`` in-process; a failed worker becomes
-    a one-line error (its own message is printed above by the worker)."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
-
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-    argv = launch_args(cfg)
-    log.info("launching: torchrun %s", " ".join(argv))
-    try:
-        run(parse_args(argv))
-    except ChildFailedError as e:
-        rank, failure = next(iter(e.failures.items()))
-        raise StageError(f"training failed: rank {rank} exited with code {failure.exitcode} "
-                         f"(see its message above)") from None
+    """Run torchrun with `launch_args` in-process (see `launch_module`)."""
+    launch_module(launch_args(cfg))
 
 
 def main() -> None:

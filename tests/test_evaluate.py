@@ -57,6 +57,35 @@ def test_evaluate_stage(trained_workdir):
     assert "Average Precision" in proc.stderr
     pr = json.loads((trained_workdir / "plots/pr_curve.json").read_text())["pr_curve"]
     assert {r["iou"] for r in pr} == {0.5, 0.75}
+    per_class = json.loads((trained_workdir / "plots/per_class_ap.json").read_text())["per_class_ap"]
+    assert {r["class"] for r in per_class} == {k for k, v in metrics["per_class_AP"].items() if v >= 0}
+    # val images drawn at their original size
+    from PIL import Image
+    pngs = sorted((trained_workdir / "plots/val_images").glob("*.png"))
+    assert len(pngs) == min(4, metrics["num_images"])
+    gt = gt_from_arrow(trained_workdir / "data/arrow/val", meta)
+    sizes = {im["id"]: (im["width"], im["height"]) for im in gt["images"]}
+    for p in pngs:
+        assert Image.open(p).size == sizes[int(p.stem)]
+
+
+@pytest.mark.slow
+def test_two_process_evaluate_equals_one(trained_workdir, tmp_path):
+    """evaluate.nproc_per_node: 2 ranks each predict half of val; rank 0 gathers: same stats as 1 process."""
+    import shutil
+    from conftest import write_params
+
+    work = tmp_path / "w"
+    shutil.copytree(trained_workdir, work)
+    run_stage("evaluate", work)
+    one = json.loads((work / "metrics/eval.json").read_text())
+    write_params(work, {"evaluate": {"nproc_per_node": 2}})
+    proc = run_stage("evaluate", work)
+    assert "--nproc-per-node 2" in proc.stderr
+    two = json.loads((work / "metrics/eval.json").read_text())
+    assert two["num_detections"] == one["num_detections"]
+    for k, v in one["bbox"].items():
+        assert two["bbox"][k] == pytest.approx(v, abs=1e-12), k
 
 
 def test_label_mapping_roundtrip(cached_workdir):

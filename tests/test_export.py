@@ -41,11 +41,28 @@ def test_match_detections_detects_disagreement():
     ref = {"boxes": torch.tensor([[0., 0, 10, 10], [20, 20, 40, 40]]), "scores": torch.tensor([0.9, 0.8]),
            "labels": torch.tensor([1, 2])}
     same = match_detections(ref, ref, 0.5, 0.99)
-    assert same == {"compared": 2, "matched": 2, "max_box_diff": 0.0, "max_score_diff": 0.0}
+    assert same == {"compared": 2, "matched": 2, "boundary": 0, "max_box_diff": 0.0, "max_score_diff": 0.0}
     moved = {**ref, "boxes": ref["boxes"] + torch.tensor([[0., 0, 0, 0], [2, 2, 2, 2]])}
     assert match_detections(ref, moved, 0.5, 0.99)["matched"] == 1
     relabeled = {**ref, "labels": torch.tensor([1, 3])}
     assert match_detections(ref, relabeled, 0.5, 0.99)["matched"] == 1
+    missing = {k: v[:1] for k, v in ref.items()}
+    assert match_detections(ref, missing, 0.5, 0.99) == {"compared": 2, "matched": 1, "boundary": 0,
+                                                         "max_box_diff": 0.0, "max_score_diff": 0.0}
+
+
+def test_truncation_boundary_is_not_a_disagreement():
+    """A full output that kept another of two near-equal candidates is not counted against parity, but a
+    missing detection scoring clearly above the other's lowest kept score is."""
+    ref = {"boxes": torch.tensor([[0., 0, 10, 10], [20, 20, 40, 40]]),
+           "scores": torch.tensor([0.0123401, 0.0123400]), "labels": torch.tensor([1, 1])}
+    other = {"boxes": torch.tensor([[0., 0, 10, 10], [50, 50, 60, 60]]),
+             "scores": torch.tensor([0.0123401, 0.0123400]), "labels": torch.tensor([1, 1])}
+    m = match_detections(ref, other, 0.0, 0.99)
+    assert m["matched"] == 1 and m["boundary"] == 1 and m["compared"] == 1
+    confident = {**ref, "scores": torch.tensor([0.9, 0.8])}
+    m = match_detections(confident, {**other, "scores": torch.tensor([0.9, 0.1])}, 0.0, 0.99)
+    assert m["matched"] == 1 and m["boundary"] == 0 and m["compared"] == 2
 
 
 def test_parity_gate_fails_and_writes_nothing(trained_workdir, tmp_path, monkeypatch):
