@@ -1,44 +1,65 @@
 """Augment stage: decode every image once, resize it to the training size, cache uint8 pixels in Arrow.
 
 ``python -m stages.augment`` reads ``data/arrow/{train,val}/*.arrow`` (see `stages.convert` for that schema)
-and writes ``data/cache/{train,val}/part-NNNNN.arrow`` plus ``data/cache/meta.json``. The expensive,
-deterministic work (decode, EXIF orientation, RGB conversion, resize) is done here once; cheap random
-augmentation (horizontal flip) is applied at load time by `stages.data.CachedDetectionDataset`.
+and writes, per split, ``data/cache/<split>/part-NNNNN.arrow`` (pixels) and ``data/cache/<split>/index.arrow``
+(everything but the pixels), plus ``data/cache/meta.json``. The expensive, deterministic work (decode, EXIF
+orientation, RGB conversion, resize) is done here once; cheap random augmentation (horizontal flip) is applied
+at load time by `stages.data.CachedDetectionDataset`.
 
-Cache schema (Arrow IPC file format, memory-mapped at load time), one row per image:
+Cache layout (Arrow IPC *file* format, uncompressed, so shards can be memory-mapped or read by byte range):
 
-============== ================================ ==========================================================
-column         type                             meaning
-============== ================================ ==========================================================
-image_id       int64                            COCO image id
-height, width  int32                            cached pixel size (after resize)
-orig_height    int32                            decoded size in pixels before resize (after EXIF
-orig_width     int32                            orientation) — the frame of the COCO annotations
-scale_y        float64                          height / orig_height (divide predictions by it to map
-scale_x        float64                          back to original coordinates)
-pixels         binary                           ``height * width * 3`` bytes, uint8, HWC, RGB
+* ``part-NNNNN.arrow``: `CACHE_SCHEMA`, **one record batch per row** (so a single image can be read from
+  object storage with one ranged read), at most ~`SHARD_BYTES` pixel bytes per shard.
+* ``index.arrow``: `INDEX_SCHEMA` = `CACHE_SCHEMA` without ``pixels``, plus ``shard`` (file name) and
+  ``batch`` (record batch number inside that shard). The loader reads only this file at start-up.
+
+============== ================================= ==========================================================
+column         type                              meaning
+============== ================================= ==========================================================
+image_id       int64                             COCO image id
+variant        int32                             0 without copies; 0..K-1 with ``augment.copies: K``
+height, width  int32                             cached pixel size (after resize)
+orig_height    int32                             decoded size in pixels before resize (after EXIF
+orig_width     int32                             orientation) — the frame of the COCO annotations
+scale_y        float64                           cached pixels per original pixel, per axis
+scale_x        float64
+offset_y       float64                           original-pixel coordinate of cached pixel 0 (0 unless
+offset_x       float64                           a crop / zoom-out variant): ``orig = cached / scale + offset``
 boxes          list<fixed_size_list<float32,4>>  non-crowd boxes, XYXY, cached pixels
-labels         list<int64>                      contiguous labels (1..K; 0 is background)
-============== ================================ ==========================================================
+labels         list<int64>                       contiguous labels (1..K; 0 is background)
+pixels         binary                            ``3 * height * width`` bytes, uint8, CHW (planar), RGB
+============== ================================= ==========================================================
+
+Rows are image-major: an image's K variants are consecutive rows, variant 0 first.
 
 Resize modes (``augment.resize``), chosen to match what the model's own transform does so it does not
 resize a second time:
 
 * ``fixed``: ``size x size`` pixels, aspect ratio not kept — what torchvision's SSD/SSDlite transform does
   (``GeneralizedRCNNTransform(fixed_size=(320, 320))`` for ``ssdlite320_mobilenet_v3_large``).
-* ``keep_ratio``: scale ``min(min_size / short_side, max_size / long_side)``, output size floored — the rule
-  of ``torchvision.models.detection.transform._resize_image_and_masks`` (Faster R-CNN, RetinaNet, FCOS).
+* ``keep_ratio``: scale ``s = min(min_size / short_side, max_size / long_side)`` — the rule of
+  ``torchvision.models.detection.transform._resize_image_and_masks`` (Faster R-CNN, RetinaNet, FCOS) — with the
+  limiting side set to exactly ``min_size`` (or ``max_size``) and the other side ``floor(side * s)``. That makes the
+  cached size a fixed point of the model's rule (it computes ``s = 1`` on it); torchvision's own
+  ``floor(side * s)`` of the limiting side can land one pixel short in floating point (e.g. 640x638 at
+  320/512 gives 321x319), and the model would then resize again.
 
-Boxes: ``iscrowd`` objects are not training targets (as in torchvision's
-``references/detection/coco_utils.py``, ``ConvertCocoPolysToMask``); boxes whose width or height is not
-positive after resizing are dropped (the same rule as that reference). Both are counted in ``meta.json``.
+Boxes: ``iscrowd`` objects are not training targets, boxes are clamped to the image and those whose width or
+height is not positive are dropped — the rules of torchvision's ``references/detection/coco_utils.py``
+(``ConvertCocoPolysToMask``); the same positivity rule is applied again after resizing. All are counted in
+``meta.json``.
+
+Copies (``augment.copies: K > 0``, train split only; val is never augmented): each image is stored K times,
+variant ``k`` drawn deterministically from ``(augment.seed, image_id, k)`` by the SSD augmentation of
+torchvision's ``references/detection/presets.py`` (``data_augmentation="ssd"``), applied to the decoded original
+before the final resize: ``RandomPhotometricDistort()``, ``RandomZoomOut(fill=(123, 117, 104))``,
+``RandomIoUCrop()``, ``SanitizeBoundingBoxes()`` (torchvision.transforms.v2). Boxes removed by the crop are
+counted as ``crop_dropped``. The loader picks variant ``(epoch + seed) mod K`` and flips at load time.
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
 from collections import deque
 from concurrent.futures import Executor, Future, ProcessPoolExecutor
 from pathlib import Path
@@ -48,6 +69,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 import torch
+from torchvision import tv_tensors
+from torchvision.transforms import v2 as T
 from torchvision.transforms.v2 import functional as TF
 from tqdm import tqdm
 
@@ -61,82 +84,198 @@ ARROW_DIR = Path("data/arrow")
 CACHE_DIR = Path("data/cache")
 SPLITS = ("train", "val")
 SHARD_BYTES = 256 << 20  # pixel bytes per output shard
+INDEX_FILE = "index.arrow"
+CACHE_FORMAT = 2
+# Fill of the zoom-out canvas: the ImageNet mean in 0..255, as in torchvision's references/detection/presets.py.
+ZOOM_OUT_FILL = (123, 117, 104)
 
 CACHE_SCHEMA = pa.schema([
     ("image_id", pa.int64()),
+    ("variant", pa.int32()),
     ("height", pa.int32()),
     ("width", pa.int32()),
     ("orig_height", pa.int32()),
     ("orig_width", pa.int32()),
     ("scale_y", pa.float64()),
     ("scale_x", pa.float64()),
-    ("pixels", pa.binary()),
+    ("offset_y", pa.float64()),
+    ("offset_x", pa.float64()),
     ("boxes", pa.list_(pa.list_(pa.float32(), 4))),
     ("labels", pa.list_(pa.int64())),
+    ("pixels", pa.binary()),
 ])
+INDEX_SCHEMA = pa.schema([f for f in CACHE_SCHEMA if f.name != "pixels"]
+                         + [pa.field("shard", pa.string()), pa.field("batch", pa.int32())])
 
 
 def target_size(orig_h: int, orig_w: int, cfg: params_mod.Augment) -> tuple[int, int]:
     """Output ``(height, width)`` in pixels for an image of ``orig_h x orig_w`` pixels.
 
-    ``fixed``: ``(size, size)``. ``keep_ratio``: ``floor(orig * s)`` with
-    ``s = min(min_size / min(orig_h, orig_w), max_size / max(orig_h, orig_w))``, the rule of torchvision's
-    ``GeneralizedRCNNTransform`` (``_resize_image_and_masks`` with ``recompute_scale_factor=True``).
+    ``fixed``: ``(size, size)``. ``keep_ratio``: with ``s = min(min_size / short, max_size / long)`` (torchvision's
+    ``GeneralizedRCNNTransform`` rule), the limiting side becomes exactly ``min_size`` (or ``max_size``) and the
+    other ``floor(side * s)`` (at least 1), so the model's transform computes ``s = 1`` on the result and does not
+    resize again (see the module docstring).
     """
     if cfg.resize == "fixed":
         return cfg.size, cfg.size
-    s = min(cfg.min_size / min(orig_h, orig_w), cfg.max_size / max(orig_h, orig_w))
-    return max(1, math.floor(orig_h * s)), max(1, math.floor(orig_w * s))
+    short, long_ = min(orig_h, orig_w), max(orig_h, orig_w)
+    s_short, s_long = cfg.min_size / short, cfg.max_size / long_
+    s = min(s_short, s_long)
+    out = [max(1, math.floor(orig_h * s)), max(1, math.floor(orig_w * s))]
+    short_i, long_i = (0, 1) if orig_h <= orig_w else (1, 0)
+    if s_short <= s_long:
+        out[short_i] = cfg.min_size
+        out[long_i] = min(out[long_i], cfg.max_size)
+    if s_long <= s_short:
+        out[long_i] = cfg.max_size
+        out[short_i] = min(out[short_i], cfg.min_size)
+    return out[0], out[1]
 
 
-def resize_pixels(pixels: np.ndarray, size: tuple[int, int]) -> np.ndarray:
-    """Resize ``(H, W, 3)`` uint8 RGB pixels to ``size = (h, w)`` with bilinear + antialias
-    (``torchvision.transforms.v2.functional.resize``). Returns ``(h, w, 3)`` uint8, C-contiguous."""
-    if pixels.shape[:2] == tuple(size):
-        return np.ascontiguousarray(pixels)
-    chw = torch.from_numpy(pixels).permute(2, 0, 1)
-    out = TF.resize(chw, list(size), interpolation=TF.InterpolationMode.BILINEAR, antialias=True)
-    return out.permute(1, 2, 0).contiguous().numpy()
+def resize_pixels(pixels: np.ndarray | torch.Tensor, size: tuple[int, int]) -> np.ndarray:
+    """Resize uint8 RGB pixels, an ``(H, W, 3)`` array or a ``(3, H, W)`` tensor, to ``size = (h, w)`` with bilinear
+    interpolation and antialias (``torchvision.transforms.v2.functional.resize``).
+
+    Returns ``(3, h, w)`` uint8, C-contiguous (planar CHW, the cache's pixel layout).
+    """
+    chw = pixels if isinstance(pixels, torch.Tensor) else torch.from_numpy(np.asarray(pixels)).permute(2, 0, 1)
+    chw = chw.as_subclass(torch.Tensor)
+    if tuple(chw.shape[-2:]) != tuple(size):
+        chw = TF.resize(chw, list(size), interpolation=T.InterpolationMode.BILINEAR, antialias=True)
+    return chw.contiguous().numpy()
 
 
-def transform_boxes(bbox_xywh: np.ndarray, scale_y: float, scale_x: float) -> np.ndarray:
-    """COCO ``[x, y, w, h]`` boxes ``(N, 4)`` in original pixels → XYXY ``(N, 4)`` float32 in resized pixels."""
+def coco_to_xyxy(bbox_xywh: np.ndarray, height: int, width: int) -> np.ndarray:
+    """COCO ``[x, y, w, h]`` boxes ``(N, 4)`` in pixels → XYXY ``(N, 4)`` float64, clamped to the
+    ``height x width`` image (as torchvision's ``ConvertCocoPolysToMask``)."""
     b = np.asarray(bbox_xywh, dtype=np.float64).reshape(-1, 4)
-    xyxy = np.stack([b[:, 0] * scale_x, b[:, 1] * scale_y,
-                     (b[:, 0] + b[:, 2]) * scale_x, (b[:, 1] + b[:, 3]) * scale_y], axis=1)
-    return xyxy.astype(np.float32)
+    xyxy = np.concatenate([b[:, :2], b[:, :2] + b[:, 2:]], axis=1)
+    xyxy[:, 0::2] = xyxy[:, 0::2].clip(0, width)
+    xyxy[:, 1::2] = xyxy[:, 1::2].clip(0, height)
+    return xyxy
 
 
-def process_row(row: dict, cfg: params_mod.Augment) -> tuple[dict, int, int]:
-    """Decode, resize and transform one converted row (a dict of `stages.convert` columns).
+def valid_boxes(xyxy: np.ndarray) -> np.ndarray:
+    """``(N,)`` bool: boxes ``(N, 4)`` XYXY with positive width and height."""
+    return (xyxy[:, 2] > xyxy[:, 0]) & (xyxy[:, 3] > xyxy[:, 1])
 
-    Returns ``(cache_row, crowd_excluded, degenerate_dropped)``.
+
+def variant_seed(seed: int, image_id: int, k: int) -> int:
+    """The torch seed (uint64) of variant ``k`` of image ``image_id`` under ``augment.seed = seed``
+    (``numpy.random.SeedSequence`` of the three, so nearby inputs give unrelated streams)."""
+    return int(np.random.SeedSequence([seed % 2**64, image_id % 2**64, k]).generate_state(1, np.uint64)[0])
+
+
+class _RecordParams:
+    """Mixin for a torchvision v2 transform: keeps the parameters of its last call in ``last_params``
+    (None when a random-apply transform was skipped)."""
+
+    last_params: dict | None = None
+
+    def forward(self, *inputs):
+        self.last_params = None
+        return super().forward(*inputs)
+
+    def make_params(self, flat_inputs):
+        self.last_params = super().make_params(flat_inputs)
+        return self.last_params
+
+
+class _ZoomOut(_RecordParams, T.RandomZoomOut):
+    pass
+
+
+class _IoUCrop(_RecordParams, T.RandomIoUCrop):
+    pass
+
+
+def ssd_variant(chw: torch.Tensor, boxes: np.ndarray, labels: np.ndarray, seed: int):
+    """One SSD-style random variant (torchvision ``references/detection/presets.py``, ``"ssd"``) of an image.
+
+    Args:
+        chw: ``(3, H, W)`` uint8 RGB image.
+        boxes: ``(N, 4)`` XYXY boxes in its pixels (valid: positive width and height).
+        labels: ``(N,)`` int64.
+        seed: torch seed for this variant (`variant_seed`); the global torch RNG is left untouched.
+    Returns:
+        ``(image (3, h, w) uint8, boxes (M, 4) float32, labels (M,) int64, (offset_y, offset_x))`` where
+        ``offset`` is the original-pixel coordinate of the variant's pixel (0, 0); ``M <= N``.
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        image = tv_tensors.Image(chw)
+        bb = tv_tensors.BoundingBoxes(torch.as_tensor(boxes, dtype=torch.float32).reshape(-1, 4), format="XYXY",
+                                      canvas_size=tuple(chw.shape[-2:]))
+        image = T.RandomPhotometricDistort()(image)
+        zoom, crop = _ZoomOut(fill=ZOOM_OUT_FILL), _IoUCrop()
+        image, bb = zoom(image, bb)
+        offset_y = offset_x = 0.0
+        if zoom.last_params is not None:
+            left, top = zoom.last_params["padding"][:2]
+            offset_y, offset_x = -float(top), -float(left)
+        if len(bb):  # RandomIoUCrop needs at least one box to aim at
+            image, bb = crop(image, bb)
+            if crop.last_params:
+                offset_y += crop.last_params["top"]
+                offset_x += crop.last_params["left"]
+        out = T.SanitizeBoundingBoxes()({"image": image, "boxes": bb,
+                                          "labels": torch.as_tensor(labels, dtype=torch.int64)})
+    return (out["image"].as_subclass(torch.Tensor), out["boxes"].as_subclass(torch.Tensor).numpy(),
+            out["labels"].numpy(), (offset_y, offset_x))
+
+
+def process_image(row: dict, cfg: params_mod.Augment, copies: int) -> tuple[list[dict], dict]:
+    """Decode one converted row (a dict of `stages.convert` columns) and make its cache rows.
+
+    ``copies == 0``: one row, the plain resize. ``copies == K > 0``: K rows, variant ``k`` = `ssd_variant` with
+    seed `variant_seed` ``(cfg.seed, image_id, k)``, then resized.
+    Returns ``(rows, counts)``; rows are `CACHE_SCHEMA` dicts, counts has ``crowd_excluded``,
+    ``degenerate_dropped``, ``crop_dropped`` (summed over the rows).
     Raises:
         StageError: the image bytes cannot be decoded (names the file and image id).
     """
-    pixels = decode_rgb(row["image"], f"{row['file_name']} (image_id {row['image_id']})")
+    image_id = int(row["image_id"])
+    pixels = decode_rgb(row["image"], f"{row['file_name']} (image_id {image_id})")
     oh, ow = pixels.shape[:2]
-    h, w = target_size(oh, ow, cfg)
-    out = resize_pixels(pixels, (h, w))
-    sy, sx = h / oh, w / ow
-    bbox = np.asarray(row["bbox"], dtype=np.float32).reshape(-1, 4)
     labels = np.asarray(row["label"], dtype=np.int64)
     crowd = np.asarray(row["iscrowd"], dtype=np.int64).astype(bool)
-    xyxy = transform_boxes(bbox[~crowd], sy, sx)
+    xyxy = coco_to_xyxy(np.asarray(row["bbox"], dtype=np.float64), oh, ow)[~crowd]
     labels = labels[~crowd]
-    keep = (xyxy[:, 2] > xyxy[:, 0]) & (xyxy[:, 3] > xyxy[:, 1])
-    cache_row = {
-        "image_id": int(row["image_id"]), "height": h, "width": w, "orig_height": oh, "orig_width": ow,
-        "scale_y": sy, "scale_x": sx, "pixels": out.tobytes(),
-        "boxes": xyxy[keep].tolist(), "labels": labels[keep].tolist(),
-    }
-    return cache_row, int(crowd.sum()), int((~keep).sum())
+    keep = valid_boxes(xyxy)
+    counts = {"crowd_excluded": int(crowd.sum()), "degenerate_dropped": int((~keep).sum()), "crop_dropped": 0}
+    xyxy, labels = xyxy[keep], labels[keep]
+
+    chw = torch.from_numpy(pixels).permute(2, 0, 1)
+    if copies == 0:
+        sources = [(0, chw, xyxy, labels, (0.0, 0.0))]
+    else:
+        sources = []
+        for k in range(copies):
+            img, b, lab, offset = ssd_variant(chw, xyxy, labels, variant_seed(cfg.seed, image_id, k))
+            counts["crop_dropped"] += len(labels) - len(lab)
+            sources.append((k, img, b, lab, offset))
+
+    rows = []
+    for k, img, b, lab, (off_y, off_x) in sources:
+        sh, sw = img.shape[-2:]
+        h, w = target_size(sh, sw, cfg)
+        sy, sx = h / sh, w / sw
+        b = np.asarray(b, dtype=np.float64).reshape(-1, 4) * np.array([sx, sy, sx, sy])
+        ok = valid_boxes(b)
+        counts["degenerate_dropped"] += int((~ok).sum())
+        rows.append({
+            "image_id": image_id, "variant": k, "height": h, "width": w, "orig_height": oh, "orig_width": ow,
+            "scale_y": sy, "scale_x": sx, "offset_y": off_y, "offset_x": off_x,
+            "boxes": b[ok].astype(np.float32).tolist(), "labels": np.asarray(lab, dtype=np.int64)[ok].tolist(),
+            "pixels": resize_pixels(img, (h, w)).tobytes(),
+        })
+    return rows, counts
 
 
-def _process_batch(args: tuple[list[dict], params_mod.Augment]) -> list[tuple[dict, int, int]]:
-    rows, cfg = args
+def _process_batch(args: tuple[list[dict], params_mod.Augment, int]) -> list[tuple[list[dict], dict]]:
+    rows, cfg, copies = args
     torch.set_num_threads(1)
-    return [process_row(r, cfg) for r in rows]
+    return [process_image(r, cfg, copies) for r in rows]
 
 
 def bounded_map(pool: Executor | None, fn: Callable, items: Iterable, window: int) -> Iterator:
@@ -154,79 +293,109 @@ def bounded_map(pool: Executor | None, fn: Callable, items: Iterable, window: in
         yield pending.popleft().result()
 
 
-def _iter_source_batches(split_dir: Path, rows_per_task: int = 16) -> Iterator[list[dict]]:
+def _iter_source_batches(split_dir: Path, rows_per_task: int = 8) -> Iterator[list[dict]]:
     """Yield lists of converted rows (only the columns augment reads), shard by shard, in file order."""
     cols = ["image_id", "file_name", "image", "bbox", "label", "iscrowd"]
     for shard in sorted(split_dir.glob("*.arrow")):
         with pa.memory_map(str(shard)) as src:
-            reader = ipc.open_file(src)
-            for i in range(reader.num_record_batches):
-                batch = reader.get_batch(i).select(cols)
-                for start in range(0, batch.num_rows, rows_per_task):
-                    yield batch.slice(start, rows_per_task).to_pylist()
+            try:
+                reader = ipc.open_file(src)
+                for i in range(reader.num_record_batches):
+                    batch = reader.get_batch(i)
+                    missing = [c for c in cols if c not in batch.schema.names]
+                    if missing:
+                        raise StageError(f"{shard}: missing column(s) {missing} (re-run the convert stage)")
+                    batch = batch.select(cols)
+                    for start in range(0, batch.num_rows, rows_per_task):
+                        yield batch.slice(start, rows_per_task).to_pylist()
+            except pa.ArrowInvalid as e:
+                raise StageError(f"{shard}: not a readable Arrow IPC file ({e})") from None
 
 
 class _ShardWriter:
-    """Writes cache rows into ``part-NNNNN.arrow`` files of at most ~`SHARD_BYTES` pixel bytes."""
+    """Writes cache rows, one record batch each, into ``part-NNNNN.arrow`` files of at most ~`SHARD_BYTES`
+    pixel bytes, and collects the index rows."""
 
     def __init__(self, out_dir: Path):
-        self.out_dir, self.index, self.bytes, self.writer, self.shards = out_dir, 0, 0, None, []
+        self.out_dir, self.index, self.bytes, self.writer, self.batch = out_dir, 0, 0, None, 0
+        self.shards: list[str] = []
+        self.index_rows: list[dict] = []
 
-    def write(self, rows: list[dict]) -> None:
-        if not rows:
-            return
+    def write(self, row: dict) -> None:
         if self.writer is None or self.bytes >= SHARD_BYTES:
             self.close()
             name = f"part-{self.index:05d}.arrow"
             self.writer = ipc.new_file(str(self.out_dir / name), CACHE_SCHEMA)
             self.shards.append(name)
             self.index += 1
-        self.writer.write_batch(pa.RecordBatch.from_pylist(rows, schema=CACHE_SCHEMA))
-        self.bytes += sum(len(r["pixels"]) for r in rows)
+        arrays = [pa.array([row[f.name]], type=f.type) for f in CACHE_SCHEMA]
+        self.writer.write_batch(pa.RecordBatch.from_arrays(arrays, schema=CACHE_SCHEMA))
+        self.index_rows.append({**{k: v for k, v in row.items() if k != "pixels"},
+                                "shard": self.shards[-1], "batch": self.batch})
+        self.batch += 1
+        self.bytes += len(row["pixels"])
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
-            self.writer, self.bytes = None, 0
+            self.writer, self.bytes, self.batch = None, 0, 0
+
+    def write_index(self, path: Path) -> None:
+        """Write the collected index rows as one Arrow IPC file (`INDEX_SCHEMA`)."""
+        cols = {f.name: [r[f.name] for r in self.index_rows] for f in INDEX_SCHEMA}
+        arrays = [pa.array(cols[f.name], type=f.type) for f in INDEX_SCHEMA]
+        with ipc.new_file(str(path), INDEX_SCHEMA) as w:
+            w.write_table(pa.Table.from_arrays(arrays, schema=INDEX_SCHEMA))
 
 
 def build_cache(arrow_dir: Path, cache_dir: Path, cfg: params_mod.Augment) -> dict:
     """Build the cache for every split in ``arrow_dir`` into ``cache_dir`` (atomically replaced).
 
-    Returns the ``meta.json`` dict: per split the image count, crowd boxes excluded, degenerate boxes dropped
-    and shard names; plus the resize settings.
+    The output depends only on the converted data and ``cfg`` minus ``workers`` (each variant has its own
+    seed), so any number of workers gives the same bytes.
+    Returns the ``meta.json`` dict: per split the image and row counts, boxes kept, crowd boxes excluded,
+    degenerate boxes dropped, boxes dropped by crops, and shard names; plus the resize and copy settings.
     Raises:
         StageError: missing converted data, or an image that cannot be decoded.
     """
-    meta_in = arrow_dir / "meta.json"
+    meta_in = Path(arrow_dir) / "meta.json"
     if not meta_in.is_file():
         raise StageError(f"{meta_in}: not found (run the convert stage first)")
-    meta = {"resize": cfg.resize, "size": cfg.size, "min_size": cfg.min_size, "max_size": cfg.max_size,
-            "pixel_format": "uint8 HWC RGB", "box_format": "XYXY pixels", "splits": {}}
-    workers = cfg.workers if cfg.workers > 0 else 0
+    meta = {"format": CACHE_FORMAT, "resize": cfg.resize, "size": cfg.size, "min_size": cfg.min_size,
+            "max_size": cfg.max_size, "copies": cfg.copies, "seed": cfg.seed,
+            "augmentation": ("torchvision.transforms.v2 RandomPhotometricDistort, RandomZoomOut(fill="
+                             f"{list(ZOOM_OUT_FILL)}), RandomIoUCrop, SanitizeBoundingBoxes (train split)"
+                             if cfg.copies else "none"),
+            "pixel_format": "uint8 CHW RGB", "box_format": "XYXY pixels", "index": INDEX_FILE, "splits": {}}
+    workers = max(0, cfg.workers)
     with atomic_dir(cache_dir) as tmp:
         pool = ProcessPoolExecutor(workers) if workers else None
         try:
             for split in SPLITS:
-                split_dir = arrow_dir / split
+                split_dir = Path(arrow_dir) / split
                 if not split_dir.is_dir():
                     raise StageError(f"{split_dir}: not found (run the convert stage first)")
+                copies = cfg.copies if split == "train" else 0
                 (tmp / split).mkdir()
                 writer = _ShardWriter(tmp / split)
-                counts = {"images": 0, "boxes": 0, "crowd_excluded": 0, "degenerate_dropped": 0}
-                tasks = ((rows, cfg) for rows in _iter_source_batches(split_dir))
+                counts = {"images": 0, "rows": 0, "boxes": 0, "crowd_excluded": 0, "degenerate_dropped": 0,
+                          "crop_dropped": 0}
+                tasks = ((rows, cfg, copies) for rows in _iter_source_batches(split_dir))
                 results = bounded_map(pool, _process_batch, tasks, window=2 * workers)
                 with tqdm(desc=f"augment {split}", unit="img", disable=None) as bar:
                     for out in results:
-                        writer.write([r for r, _, _ in out])
-                        for r, crowd, degenerate in out:
+                        for rows, c in out:
+                            for r in rows:
+                                writer.write(r)
+                                counts["boxes"] += len(r["labels"])
                             counts["images"] += 1
-                            counts["boxes"] += len(r["labels"])
-                            counts["crowd_excluded"] += crowd
-                            counts["degenerate_dropped"] += degenerate
+                            counts["rows"] += len(rows)
+                            for k, v in c.items():
+                                counts[k] += v
                         bar.update(len(out))
                 writer.close()
-                meta["splits"][split] = {**counts, "shards": writer.shards}
+                writer.write_index(tmp / split / INDEX_FILE)
+                meta["splits"][split] = {**counts, "copies": copies, "shards": writer.shards}
                 log.info("%s: %s", split, counts)
         finally:
             if pool:

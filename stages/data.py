@@ -1,14 +1,20 @@
 """Training/evaluation data from the augmentation cache (`stages.augment`): Dataset, sampler, collate.
 
-The cache shards are Arrow IPC files opened with ``pyarrow.memory_map`` (local paths) or any pyarrow / fsspec
-filesystem URL (``s3://…``), so pixels are read without a copy until they become a float tensor.
+`CachedDetectionDataset` reads ``<root>/<split>/index.arrow`` (boxes, labels, sizes: small) at construction and
+each image's pixels on demand from its ``part-NNNNN.arrow`` shard. ``root`` is a local folder (shards are
+memory-mapped: no copy until the float conversion) or a filesystem URL — anything
+``pyarrow.fs.FileSystem.from_uri`` understands (``s3://bucket/cache``, ``gs://…``, ``hdfs://…``, ``file:///…``)
+and otherwise any fsspec URL — so every node of a multi-node job can read one cache in object storage directly.
+A remote read fetches one image's record batch (a byte range), never a whole shard.
 """
 from __future__ import annotations
 
 import json
 import math
+import os
+import warnings
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -19,148 +25,305 @@ from torch.utils.data import Dataset, Sampler
 
 from stages.common import StageError
 
+INDEX_FILE = "index.arrow"  # written by stages.augment (INDEX_SCHEMA)
+_INDEX_COLUMNS = ("image_id", "variant", "height", "width", "orig_height", "orig_width", "scale_y", "scale_x",
+                  "offset_y", "offset_x", "boxes", "labels", "shard", "batch")
+_FLIP_STREAM = 0x666C6970  # a constant third seed word, so flip draws do not reuse the sampler's stream
 
-def _open_shards(root: str, split: str) -> list[pa.RecordBatch]:
-    """Open every ``<root>/<split>/*.arrow`` shard; return its record batches (memory-mapped if local)."""
+
+def resolve_filesystem(root: str | Path, filesystem: Any = None) -> tuple[pafs.FileSystem | None, str]:
+    """Where the cache lives: ``(None, path)`` for a local folder (read by memory map), else
+    ``(pyarrow filesystem, path inside it)``.
+
+    Args:
+        root: a local path or a URL. URLs go to ``pyarrow.fs.FileSystem.from_uri`` (``s3://``, ``gs://``,
+            ``hdfs://``, ``file://``; S3 options as query parameters, e.g. ``?endpoint_override=host:port&scheme=http``,
+            credentials from the usual AWS environment/config), and schemes pyarrow does not know to
+            ``fsspec.core.url_to_fs``.
+        filesystem: an explicit ``pyarrow.fs.FileSystem`` or fsspec filesystem; ``root`` is then a path in it
+            (a URL scheme, if any, is stripped).
+    Raises:
+        StageError: the URL's filesystem cannot be created (names the URL and the reason).
+    """
+    root = str(root)
+    if filesystem is not None:
+        if not isinstance(filesystem, pafs.FileSystem):
+            filesystem = pafs.PyFileSystem(pafs.FSSpecHandler(filesystem))
+        return filesystem, root.split("://", 1)[-1].rstrip("/")
     if "://" not in root:
-        split_dir = Path(root) / split
-        shards = sorted(split_dir.glob("*.arrow"))
-        if not shards:
-            raise StageError(f"{split_dir}: no cache shards (*.arrow) found (run the augment stage first)")
-        batches = []
-        for shard in shards:
-            reader = ipc.open_file(pa.memory_map(str(shard)))
-            batches += [reader.get_batch(i) for i in range(reader.num_record_batches)]
-        return batches
-    path, _, query = root.partition("?")  # keep a query string (endpoint_override=...) after the path
-    fs, base = pafs.FileSystem.from_uri(path.rstrip("/") + "/" + split + (f"?{query}" if query else ""))
-    infos = sorted((i for i in fs.get_file_info(pafs.FileSelector(base)) if i.path.endswith(".arrow")),
-                   key=lambda i: i.path)
-    if not infos:
-        raise StageError(f"{root}/{split}: no cache shards (*.arrow) found")
-    batches = []
-    for info in infos:
-        reader = ipc.open_file(fs.open_input_file(info.path))
-        batches += [reader.get_batch(i) for i in range(reader.num_record_batches)]
-    return batches
+        return None, root
+    try:
+        fs, path = pafs.FileSystem.from_uri(root)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        try:
+            import fsspec
+
+            ffs, path = fsspec.core.url_to_fs(root)
+        except (ImportError, ValueError) as e:
+            raise StageError(f"{root}: no filesystem for this URL ({e})") from None
+        fs = pafs.PyFileSystem(pafs.FSSpecHandler(ffs))
+    except OSError as e:
+        raise StageError(f"{root}: cannot open the filesystem ({e})") from None
+    return fs, path.rstrip("/")
+
+
+def _read_index(fs: pafs.FileSystem | None, split_dir: str) -> pa.Table:
+    path = f"{split_dir}/{INDEX_FILE}"
+    try:
+        if fs is None:
+            if not Path(path).is_file():
+                hint = " (a cache from an older augment stage?)" if any(Path(split_dir).glob("*.arrow")) else ""
+                raise StageError(f"{path}: not found{hint} (run the augment stage)")
+            with pa.memory_map(path) as f:
+                table = ipc.open_file(f).read_all()
+        else:
+            with fs.open_input_file(path) as f:
+                table = ipc.open_file(f).read_all()
+    except FileNotFoundError:
+        raise StageError(f"{path}: not found (run the augment stage)") from None
+    except pa.ArrowInvalid as e:
+        raise StageError(f"{path}: not a readable Arrow IPC file ({e})") from None
+    missing = [c for c in _INDEX_COLUMNS if c not in table.schema.names]
+    if missing:
+        raise StageError(f"{path}: missing column(s) {missing} (re-run the augment stage)")
+    return table
+
+
+def _list_offsets_values(col: pa.ChunkedArray, width: int, dtype) -> tuple[np.ndarray, np.ndarray]:
+    """A ``list<…>`` column as ``(offsets (N+1,) int64, values (M, width) or (M,))`` numpy arrays."""
+    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    offsets = arr.offsets.to_numpy().astype(np.int64)
+    values = arr.flatten()
+    if width:
+        values = values.flatten()
+    flat = np.asarray(values.to_numpy(zero_copy_only=False), dtype=dtype)
+    base = offsets[0]
+    return offsets - base, (flat.reshape(-1, width) if width else flat)
 
 
 class CachedDetectionDataset(Dataset):
     """Detection samples from the augmentation cache, in the format torchvision detection models take.
 
-    ``dataset[i]`` returns ``(image, target)``:
+    ``dataset[i]`` (``0 <= i < len(dataset)``, one per image) returns ``(image, target)``:
 
-    * ``image``: ``torch.float32`` tensor ``(3, H, W)``, RGB in ``[0, 1]`` (H, W = cached size in pixels);
+    * ``image``: ``torch.float32`` tensor ``(3, H, W)``, contiguous, RGB in ``[0, 1]`` (uint8 / 255, as
+      ``torchvision.transforms.v2.ToDtype(torch.float32, scale=True)``); H, W = cached size in pixels;
     * ``target``: ``boxes`` ``float32 (N, 4)`` XYXY in cached pixels, ``labels`` ``int64 (N,)``,
-      ``image_id`` ``int64`` scalar, ``scale`` ``float64 (2,)`` = ``(scale_y, scale_x)`` (cached / original
-      pixels: divide predicted coordinates by it to get original-image pixels), ``orig_size`` ``int64 (2,)``
-      = ``(orig_height, orig_width)``.
+      ``image_id`` ``int64`` scalar, ``scale`` ``float64 (2,)`` = ``(scale_y, scale_x)`` and ``offset``
+      ``float64 (2,)`` = ``(offset_y, offset_x)`` such that ``original = cached / scale + offset`` (pixels; offset
+      is 0 except for crop/zoom-out variants), ``orig_size`` ``int64 (2,)`` = ``(orig_height, orig_width)``.
 
-    Random horizontal flip with probability ``hflip`` is applied at load time. Whether sample ``i`` is
-    flipped depends only on ``(seed, epoch, i)`` (call `set_epoch`), not on worker processes or global RNG
-    state, so a resumed run sees exactly the same samples.
+    With ``augment.copies: K`` the cache holds K variants per image; sample ``i`` in epoch ``e`` is variant
+    ``(e + seed) mod K``. Random horizontal flip with probability ``hflip`` is applied at load time; whether
+    sample ``i`` is flipped depends only on ``(seed, epoch, i)`` — not on worker processes or global RNG state —
+    so a resumed run sees exactly the same samples. Call `set_epoch` before creating each epoch's DataLoader
+    iterator (workers take a copy of the dataset then).
+
+    Works in DataLoader worker processes (fork or spawn): each process opens its own memory maps / file
+    handles on first use.
 
     Args:
-        root: cache root (``data/cache``) or a filesystem URL (``s3://bucket/cache``) pyarrow understands.
+        root: cache root (``data/cache``) or a URL, see `resolve_filesystem`.
         split: ``"train"`` or ``"val"``.
+        hflip: flip probability in ``[0, 1]``.
+        seed: seed of the flips and of the variant choice (``train.seed``).
+        filesystem: optional explicit pyarrow or fsspec filesystem holding ``root``.
     Raises:
-        StageError: no shards under ``root/split``.
+        StageError: no readable ``index.arrow`` under ``root/split``, or its rows are not grouped by image.
     """
 
-    def __init__(self, root: str | Path, split: str, hflip: float = 0.0, seed: int = 0):
-        self.root, self.split, self.hflip, self.seed, self.epoch = str(root), split, hflip, seed, 0
-        self._batches: list[pa.RecordBatch] | None = None
-        batches = _open_shards(self.root, split)
-        self._index = [(b, r) for b, batch in enumerate(batches) for r in range(batch.num_rows)]
-        self.image_ids = [int(i) for batch in batches for i in batch.column("image_id").to_numpy()]
-        self._batches = batches
+    def __init__(self, root: str | Path, split: str, hflip: float = 0.0, seed: int = 0, filesystem: Any = None):
+        if not 0.0 <= hflip <= 1.0:
+            raise ValueError(f"hflip must be in [0, 1], got {hflip}")
+        self.root, self.split, self.hflip, self.seed, self.epoch = str(root), split, float(hflip), int(seed), 0
+        self._explicit_fs = filesystem
+        fs, base = resolve_filesystem(self.root, filesystem)
+        self._split_dir = f"{base}/{split}"
+        table = _read_index(fs, self._split_dir)
+        col = lambda name: table.column(name).to_numpy()  # noqa: E731
+        variant = col("variant").astype(np.int64)
+        image_id = col("image_id").astype(np.int64)
+        n_rows = len(variant)
+        self.copies = int(variant.max()) + 1 if n_rows else 1
+        k = self.copies
+        if n_rows % k or not np.array_equal(variant, np.tile(np.arange(k), n_rows // k)) or \
+                not (image_id.reshape(-1, k) == image_id[::k, None]).all():
+            raise StageError(f"{self._split_dir}/{INDEX_FILE}: rows are not {k} consecutive variants "
+                             f"0..{k - 1} per image (re-run the augment stage)")
+        self.image_ids: list[int] = image_id[::k].tolist()
+        self._image_id = image_id
+        self._hw = np.stack([col("height"), col("width")], 1).astype(np.int64)
+        self._orig = np.stack([col("orig_height"), col("orig_width")], 1).astype(np.int64)
+        self._scale = np.stack([col("scale_y"), col("scale_x")], 1).astype(np.float64)
+        self._offset = np.stack([col("offset_y"), col("offset_x")], 1).astype(np.float64)
+        self._box_off, self._boxes = _list_offsets_values(table.column("boxes"), 4, np.float32)
+        self._lab_off, self._labels = _list_offsets_values(table.column("labels"), 0, np.int64)
+        shard = table.column("shard").combine_chunks().dictionary_encode()
+        self._shard_names: list[str] = shard.dictionary.to_pylist()
+        self._shard = shard.indices.to_numpy().astype(np.int64)
+        self._batch = col("batch").astype(np.int64)
+        self._readers: dict[int, ipc.RecordBatchFileReader] = {}
+        self._fs = fs
+        self._pid = os.getpid()
+        self._flips: tuple[int, np.ndarray] | None = None
 
     def __len__(self) -> int:
-        return len(self._index)
+        return len(self.image_ids)
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the epoch whose flips `__getitem__` draws."""
-        self.epoch = epoch
+        """Select the epoch whose variants and flips `__getitem__` draws."""
+        self.epoch = int(epoch)
 
-    def __getstate__(self):  # worker processes re-open the memory maps instead of pickling pixels
+    def row(self, i: int) -> int:
+        """Index-file row of sample ``i`` in the current epoch (its variant ``(epoch + seed) mod copies``)."""
+        return i * self.copies + (self.epoch + self.seed) % self.copies
+
+    def flipped(self, i: int) -> bool:
+        """Whether sample ``i`` is flipped in the current epoch (a function of ``(seed, epoch, i)`` only)."""
+        if self.hflip <= 0:
+            return False
+        if self._flips is None or self._flips[0] != self.epoch:
+            draws = np.random.default_rng([self.seed % 2**64, self.epoch, _FLIP_STREAM]).random(len(self))
+            self._flips = (self.epoch, draws < self.hflip)
+        return bool(self._flips[1][i])
+
+    def __getstate__(self):  # spawned workers re-open files instead of pickling maps / handles
         state = self.__dict__.copy()
-        state["_batches"] = None
+        state["_readers"] = {}
+        if self._explicit_fs is None:
+            state["_fs"] = None
+        state["_pid"] = None
         return state
 
+    def _reader(self, shard: int) -> ipc.RecordBatchFileReader:
+        if self._pid != os.getpid():  # a forked or spawned worker: never reuse the parent's handles / clients
+            self._readers, self._pid = {}, os.getpid()
+            self._fs = resolve_filesystem(self.root, self._explicit_fs)[0]
+        reader = self._readers.get(shard)
+        if reader is None:
+            path = f"{self._split_dir}/{self._shard_names[shard]}"
+            try:
+                source = pa.memory_map(path) if self._fs is None else self._fs.open_input_file(path)
+                reader = ipc.open_file(source)
+            except FileNotFoundError:
+                raise StageError(f"{path}: not found (cache incomplete; re-run the augment stage)") from None
+            except pa.ArrowInvalid as e:
+                raise StageError(f"{path}: not a readable Arrow IPC file ({e})") from None
+            self._readers[shard] = reader
+        return reader
+
+    def pixels(self, i: int) -> torch.Tensor:
+        """Cached uint8 pixels of sample ``i`` (current epoch's variant, not flipped): ``(3, H, W)`` uint8 tensor
+        viewing the memory map / read buffer (read-only: do not write to it)."""
+        r = self.row(i)
+        h, w = self._hw[r]
+        col = self._reader(self._shard[r]).get_batch(self._batch[r]).column("pixels")
+        start = int(np.frombuffer(col.buffers()[1], dtype=np.int32, count=1, offset=4 * col.offset)[0])
+        arr = np.frombuffer(col.buffers()[2], dtype=np.uint8, count=3 * h * w, offset=start)
+        with warnings.catch_warnings():  # the buffer is read-only; we only ever read it
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.from_numpy(arr).view(3, h, w)
+
     def __getitem__(self, i: int):
-        if self._batches is None:
-            self._batches = _open_shards(self.root, self.split)
-        b, r = self._index[i]
-        batch = self._batches[b]
-        h, w = batch.column("height")[r].as_py(), batch.column("width")[r].as_py()
-        buf = batch.column("pixels")[r].as_buffer()
-        hwc = np.frombuffer(buf, dtype=np.uint8).reshape(h, w, 3)
-        image = torch.empty((3, h, w), dtype=torch.float32)
-        image.copy_(torch.from_numpy(np.array(hwc, copy=True)).permute(2, 0, 1)).div_(255.0)
-        boxes_arr = batch.column("boxes")[r].values
-        boxes = torch.from_numpy(np.array(boxes_arr.flatten().to_numpy(zero_copy_only=False),
-                                          dtype=np.float32).reshape(-1, 4))
-        labels = torch.from_numpy(np.array(batch.column("labels")[r].values.to_numpy(zero_copy_only=False),
-                                           dtype=np.int64))
-        if self.hflip > 0 and np.random.default_rng([self.seed, self.epoch, i]).random() < self.hflip:
-            image = image.flip(-1)
-            boxes = torch.stack([w - boxes[:, 2], boxes[:, 1], w - boxes[:, 0], boxes[:, 3]], dim=1)
+        if not 0 <= i < len(self):
+            raise IndexError(f"sample {i} out of range (dataset of {len(self)})")
+        r = self.row(i)
+        u8 = self.pixels(i)
+        boxes = self._boxes[self._box_off[r]:self._box_off[r + 1]].copy()
+        if self.flipped(i):
+            u8 = u8.flip(-1)  # flip uint8 (cheap), before the float conversion
+            w = float(self._hw[r, 1])
+            boxes = np.stack([w - boxes[:, 2], boxes[:, 1], w - boxes[:, 0], boxes[:, 3]], axis=1)
+        image = u8.to(torch.float32).mul_(1.0 / 255)
         target = {
-            "boxes": boxes,
-            "labels": labels,
-            "image_id": torch.tensor(batch.column("image_id")[r].as_py(), dtype=torch.int64),
-            "scale": torch.tensor([batch.column("scale_y")[r].as_py(), batch.column("scale_x")[r].as_py()],
-                                  dtype=torch.float64),
-            "orig_size": torch.tensor([batch.column("orig_height")[r].as_py(),
-                                       batch.column("orig_width")[r].as_py()], dtype=torch.int64),
+            "boxes": torch.from_numpy(np.ascontiguousarray(boxes, dtype=np.float32)),
+            "labels": torch.from_numpy(self._labels[self._lab_off[r]:self._lab_off[r + 1]].copy()),
+            "image_id": torch.tensor(int(self._image_id[r]), dtype=torch.int64),
+            "scale": torch.from_numpy(self._scale[r].copy()),
+            "offset": torch.from_numpy(self._offset[r].copy()),
+            "orig_size": torch.from_numpy(self._orig[r].copy()),
         }
         return image, target
 
 
 class ResumableDistributedSampler(Sampler[int]):
-    """Shuffled indices for one rank, deterministic per ``(seed, epoch)``, resumable inside an epoch.
+    """Shuffled sample indices for one rank, deterministic per ``(seed, epoch)``, resumable inside an epoch.
 
-    Each epoch is a permutation of ``range(size)`` (``torch.randperm`` with a generator seeded by
-    ``seed + epoch``), cut to a multiple of ``world_size`` (``drop_last``) or padded by wrapping, then
-    strided by rank as in ``torch.utils.data.DistributedSampler``; ranks therefore see disjoint samples.
-    ``set_epoch(epoch, start)`` makes the next iteration skip the first ``start`` indices of this rank,
-    so a resumed run continues with exactly the batches it would have seen.
+    Each epoch is a permutation of ``range(size)`` (``numpy.random.default_rng([seed, epoch]).permutation``;
+    identity if ``shuffle`` is False), cut to a multiple of ``world_size`` (``drop_last``) or padded by
+    repeating from its start, then strided by rank as in ``torch.utils.data.DistributedSampler``: ranks see
+    disjoint samples (with ``drop_last``), together all but ``size mod world_size`` of them.
+
+    Resuming: `state_dict` records ``{"epoch", "start"}`` (plus the settings, checked on load), ``start`` being
+    how many of this rank's indices of the epoch are already consumed; `load_state_dict` (or
+    ``set_epoch(epoch, start)``) makes the next iteration continue right after them, so a resumed run gets
+    exactly the batches it would have seen.
     """
 
     def __init__(self, size: int, world_size: int = 1, rank: int = 0, seed: int = 0,
                  shuffle: bool = True, drop_last: bool = True):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world size {world_size}")
+        if size < 0:
+            raise ValueError(f"size must be >= 0, got {size}")
         self.size, self.world_size, self.rank, self.seed = size, world_size, rank, seed
         self.shuffle, self.drop_last = shuffle, drop_last
-        self.epoch, self.start = 0, 0
+        self.epoch, self.start, self._yielded = 0, 0, 0
         self.num_samples = (size // world_size) if drop_last else math.ceil(size / world_size)
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         """Select the epoch, and how many of this rank's indices of it to skip (already consumed)."""
-        self.epoch, self.start = epoch, start
+        if not 0 <= start <= self.num_samples:
+            raise ValueError(f"start {start} outside 0..{self.num_samples}")
+        self.epoch, self.start, self._yielded = int(epoch), int(start), 0
 
     def indices(self) -> list[int]:
-        """This rank's full index list for the current epoch (``num_samples`` ints)."""
+        """This rank's full index list for the current epoch (``num_samples`` ints in ``[0, size)``)."""
         if self.shuffle:
-            g = torch.Generator().manual_seed(self.seed + self.epoch)
-            order = torch.randperm(self.size, generator=g).tolist()
+            order = np.random.default_rng([self.seed % 2**64, self.epoch]).permutation(self.size)
         else:
-            order = list(range(self.size))
+            order = np.arange(self.size)
         total = self.num_samples * self.world_size
-        order = order[:total] if self.drop_last else (order * math.ceil(total / max(1, self.size)))[:total]
-        return order[self.rank:total:self.world_size]
+        if not self.drop_last and total > self.size:
+            order = np.resize(order, total)  # pads by repeating from the start
+        return order[self.rank:total:self.world_size].tolist()
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self.indices()[self.start:])
+        self._yielded = 0
+        for idx in self.indices()[self.start:]:
+            self._yielded += 1
+            yield idx
 
     def __len__(self) -> int:
         return self.num_samples - self.start
 
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "start": self.start}
+    def state_dict(self, consumed: int | None = None) -> dict:
+        """Position to resume from: ``{"epoch", "start", "size", "world_size", "seed", "shuffle", "drop_last"}``.
+
+        Args:
+            consumed: indices of the current iteration that the training loop has actually used (e.g. batches
+                done x batch size). Default: all the indices this sampler has handed out — the same thing when
+                the DataLoader has ``num_workers=0``; worker processes read ahead (``prefetch_factor`` batches
+                each), so pass ``consumed`` then.
+        A finished epoch is recorded as the start of the next one.
+        """
+        pos = self.start + (self._yielded if consumed is None else int(consumed))
+        epoch = self.epoch
+        if self.num_samples and pos >= self.num_samples:
+            epoch, pos = epoch + 1, 0
+        return {"epoch": epoch, "start": pos, "size": self.size, "world_size": self.world_size,
+                "seed": self.seed, "shuffle": self.shuffle, "drop_last": self.drop_last}
 
     def load_state_dict(self, state: dict) -> None:
+        """Continue from `state_dict`'s position.
+
+        Raises:
+            ValueError: the state was made with another size, world size, seed, shuffle or drop_last (the
+                sequence would differ, so resuming would not reproduce the batches).
+        """
+        for key in ("size", "world_size", "seed", "shuffle", "drop_last"):
+            if key in state and state[key] != getattr(self, key):
+                raise ValueError(f"sampler state has {key}={state[key]!r}, this sampler {getattr(self, key)!r}")
         self.set_epoch(int(state["epoch"]), int(state["start"]))
 
 
