@@ -53,8 +53,8 @@ Copies (``augment.copies: K > 0``, train split only; val is never augmented): ea
 variant ``k`` drawn deterministically from ``(augment.seed, image_id, k)`` by the SSD augmentation of
 torchvision's ``references/detection/presets.py`` (``data_augmentation="ssd"``), applied to the decoded original
 before the final resize: ``RandomPhotometricDistort()``, ``RandomZoomOut(fill=(123, 117, 104))``,
-``RandomIoUCrop()``, ``SanitizeBoundingBoxes()`` (torchvision.transforms.v2). Boxes removed by the crop are
-counted as ``crop_dropped``. The loader picks variant ``(epoch + seed) mod K`` and flips at load time.
+``RandomIoUCrop()``, ``SanitizeBoundingBoxes()`` (torchvision.transforms.v2; an image without boxes gets no IoU
+crop, which needs boxes to aim at). Boxes removed by the crop are counted as ``crop_dropped``. The loader picks variant ``(epoch + seed) mod K`` and flips at load time.
 """
 from __future__ import annotations
 

@@ -225,24 +225,70 @@ class CachedDetectionDataset(Dataset):
             return torch.from_numpy(arr).view(3, h, w)
 
     def __getitem__(self, i: int):
+        return self._sample(i)
+
+    def __getitems__(self, indices: list[int]) -> list[tuple[torch.Tensor, dict]]:
+        """Samples ``indices`` (what a DataLoader fetches per batch). In a DataLoader worker process the batch's
+        images, boxes, labels and metadata are written into one tensor each and returned as views of it, so
+        the batch crosses to the main process as a few shared-memory segments instead of ~7 per image (values,
+        shapes and dtypes exactly as `__getitem__`'s)."""
+        if torch.utils.data.get_worker_info() is None:
+            return [self._sample(i) for i in indices]
+        rows = [self.row(i) for i in indices]
+        for i in indices:
+            if not 0 <= i < len(self):
+                raise IndexError(f"sample {i} out of range (dataset of {len(self)})")
+        numel = [3 * int(self._hw[r, 0]) * int(self._hw[r, 1]) for r in rows]
+        n_box = [int(self._box_off[r + 1] - self._box_off[r]) for r in rows]
+        images = torch.empty(sum(numel), dtype=torch.float32)
+        boxes = torch.empty(sum(n_box), 4, dtype=torch.float32)
+        labels = torch.empty(sum(n_box), dtype=torch.int64)
+        ints = torch.empty(len(rows), 3, dtype=torch.int64)
+        floats = torch.empty(len(rows), 4, dtype=torch.float64)
+        out, o, b = [], 0, 0
+        for j, i in enumerate(indices):
+            r = rows[j]
+            h, w = (int(v) for v in self._hw[r])
+            image, target = self._sample(i, images[o:o + numel[j]].view(3, h, w), boxes[b:b + n_box[j]],
+                                         labels[b:b + n_box[j]], ints[j], floats[j])
+            out.append((image, target))
+            o, b = o + numel[j], b + n_box[j]
+        return out
+
+    def _sample(self, i: int, image: torch.Tensor | None = None, boxes_out: torch.Tensor | None = None,
+                labels_out: torch.Tensor | None = None, ints: torch.Tensor | None = None,
+                floats: torch.Tensor | None = None):
+        """Sample ``i``; the optional tensors are preallocated outputs (see `__getitems__`)."""
         if not 0 <= i < len(self):
             raise IndexError(f"sample {i} out of range (dataset of {len(self)})")
         r = self.row(i)
         u8 = self.pixels(i)
-        boxes = self._boxes[self._box_off[r]:self._box_off[r + 1]].copy()
+        boxes = self._boxes[self._box_off[r]:self._box_off[r + 1]]
         if self.flipped(i):
             u8 = u8.flip(-1)  # flip uint8 (cheap), before the float conversion
             w = float(self._hw[r, 1])
             boxes = np.stack([w - boxes[:, 2], boxes[:, 1], w - boxes[:, 0], boxes[:, 3]], axis=1)
-        image = u8.to(torch.float32).mul_(1.0 / 255)
-        target = {
-            "boxes": torch.from_numpy(np.ascontiguousarray(boxes, dtype=np.float32)),
-            "labels": torch.from_numpy(self._labels[self._lab_off[r]:self._lab_off[r + 1]].copy()),
-            "image_id": torch.tensor(int(self._image_id[r]), dtype=torch.int64),
-            "scale": torch.from_numpy(self._scale[r].copy()),
-            "offset": torch.from_numpy(self._offset[r].copy()),
-            "orig_size": torch.from_numpy(self._orig[r].copy()),
-        }
+        if image is None:
+            image = u8.to(torch.float32).mul_(1.0 / 255)
+        else:
+            torch.mul(u8, 1.0 / 255, out=image)
+        labels = self._labels[self._lab_off[r]:self._lab_off[r + 1]]
+        if boxes_out is None:
+            target = {
+                "boxes": torch.from_numpy(np.array(boxes, dtype=np.float32)),
+                "labels": torch.from_numpy(labels.copy()),
+                "image_id": torch.tensor(int(self._image_id[r]), dtype=torch.int64),
+                "scale": torch.from_numpy(self._scale[r].copy()),
+                "offset": torch.from_numpy(self._offset[r].copy()),
+                "orig_size": torch.from_numpy(self._orig[r].copy()),
+            }
+        else:
+            boxes_out.copy_(torch.from_numpy(np.asarray(boxes, dtype=np.float32)))
+            labels_out.copy_(torch.from_numpy(labels))
+            ints.copy_(torch.tensor([self._image_id[r], *self._orig[r]], dtype=torch.int64))
+            floats.copy_(torch.from_numpy(np.concatenate([self._scale[r], self._offset[r]])))
+            target = {"boxes": boxes_out, "labels": labels_out, "image_id": ints[0], "scale": floats[0:2],
+                      "offset": floats[2:4], "orig_size": ints[1:3]}
         return image, target
 
 

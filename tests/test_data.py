@@ -112,9 +112,10 @@ def _run(dataset, sampler, epochs: range, batch_size: int, num_workers: int = 0,
 def _same_batches(a, b) -> None:
     assert len(a) == len(b)
     for (ia, ta), (ib, tb) in zip(a, b):
-        assert all(torch.equal(x, y) for x, y in zip(ia, ib))
+        assert all(x.dtype == y.dtype and x.is_contiguous() and torch.equal(x, y) for x, y in zip(ia, ib))
         for x, y in zip(ta, tb):
-            assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+            assert x.keys() == y.keys()
+            assert all(x[k].dtype == y[k].dtype and x[k].shape == y[k].shape and torch.equal(x[k], y[k]) for k in x)
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
