@@ -10,8 +10,9 @@ Both produce float32 CHW images in [0, 1] plus XYXY boxes for the same train-spl
 images are asserted equal within one pixel level (1/255) and the non-crowd boxes within 1e-3 px (COCO128 has no
 EXIF-rotated image, so CocoDetection's missing EXIF transpose does not matter). Both go through a
 ``torch.utils.data.DataLoader`` with batch size ``--batch-size`` (8), ``collate_fn=stages.data.collate``, no
-flips, in the same fixed order; one warm-up batch (worker start-up included) is not timed, then ``--batches``
-batches are. Each (loader, num_workers) is measured ``--rounds`` times alternating, and the best round counts.
+flips, in the same fixed order; one warm-up batch (worker start-up included) is not timed, then at least
+``--batches`` batches and ``--min-seconds`` are. Each (loader, num_workers) is measured ``--rounds`` times,
+alternating, and the best round counts. The main process uses ``--threads`` (1) torch threads.
 
     python -m benchmarks.loader [--images 128] [--batches 40] [--rounds 3] [--resize fixed|keep_ratio]
 
@@ -45,16 +46,13 @@ from stages.data import CachedDetectionDataset, collate  # noqa: E402
 
 
 class _Cycle(Sampler[int]):
-    """``range(size)`` repeated until ``total`` indices (the same fixed order for both loaders)."""
+    """``range(size)`` repeated without end (the same fixed order for both loaders)."""
 
-    def __init__(self, size: int, total: int):
-        self.size, self.total = size, total
+    def __init__(self, size: int):
+        self.size = size
 
     def __iter__(self):
-        return itertools.islice(itertools.cycle(range(self.size)), self.total)
-
-    def __len__(self) -> int:
-        return self.total
+        return itertools.cycle(range(self.size))
 
 
 class _BaselineTransforms:
@@ -106,30 +104,39 @@ def check_same(ours: CachedDetectionDataset, base, label_of: dict[int, int], n: 
     return worst
 
 
-def images_per_s(dataset, batch_size: int, batches: int, num_workers: int) -> float:
-    """Images/s over ``batches`` DataLoader batches after one untimed warm-up batch."""
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=_Cycle(len(dataset), (batches + 1) * batch_size),
-                        collate_fn=collate, num_workers=num_workers)
+def images_per_s(dataset, batch_size: int, batches: int, min_seconds: float, num_workers: int) -> float:
+    """Images/s over at least ``batches`` DataLoader batches and ``min_seconds`` seconds, after one untimed
+    warm-up batch."""
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=_Cycle(len(dataset)), collate_fn=collate,
+                        num_workers=num_workers)
     it = iter(loader)
-    next(it)  # warm-up: worker start-up, first page faults, imports
-    t0 = time.perf_counter()
-    n = 0
-    for images, _ in it:
+    next(it)  # warm-up: worker start-up, first page faults
+    n, t0 = 0, time.perf_counter()
+    while True:
+        images, _ = next(it)
         n += len(images)
-    return n / (time.perf_counter() - t0)
+        elapsed = time.perf_counter() - t0
+        if n >= batches * batch_size and elapsed >= min_seconds:
+            break
+    del it  # stops the workers
+    return n / elapsed
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--images", type=int, default=128, help="COCO128 images to convert (train split is used)")
     ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--batches", type=int, default=40, help="timed batches per measurement")
+    ap.add_argument("--batches", type=int, default=40, help="timed batches per measurement (at least)")
+    ap.add_argument("--min-seconds", type=float, default=1.0, help="timed seconds per measurement (at least)")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads in the main process (workers "
+                    "always use 1); 1 keeps a shared machine's other load from stalling multi-threaded ops")
     ap.add_argument("--rounds", type=int, default=3, help="alternating measurements per loader; best counts")
     ap.add_argument("--workers", type=int, nargs="+", default=[0, 2])
     ap.add_argument("--resize", choices=("fixed", "keep_ratio"), default=None,
                     help="default: params.yaml's augment.resize (the cache the pipeline builds)")
     ap.add_argument("--keep", action="store_true", help="keep the temporary working directory")
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
 
     work = cached_workdir(args.images)
     try:
@@ -146,14 +153,15 @@ def main() -> None:
         worst = check_same(ours, base, label_of, len(ours))
         print(f"{len(ours)} train images, resize {cfg.resize} "
               f"({cfg.size if cfg.resize == 'fixed' else f'{cfg.min_size}/{cfg.max_size}'}), batch {args.batch_size}, "
-              f"{args.batches} timed batches x best of {args.rounds}, torch threads {torch.get_num_threads()}; "
+              f">= {args.batches} timed batches and >= {args.min_seconds:g} s, best of {args.rounds}, torch threads "
+              f"{torch.get_num_threads()}; "
               f"outputs checked equal on all {len(ours)} images (max pixel difference {worst:.2f} levels)",
               flush=True)
         results: dict[tuple[str, int], float] = {}
         for nw in args.workers:
             for _ in range(args.rounds):
                 for name, ds in (("baseline", base), ("ours", ours)):
-                    r = images_per_s(ds, args.batch_size, args.batches, nw)
+                    r = images_per_s(ds, args.batch_size, args.batches, args.min_seconds, nw)
                     results[name, nw] = max(results.get((name, nw), 0.0), r)
             print(f"num_workers={nw}: baseline (CocoDetection + PIL + v2 resize) {results['baseline', nw]:.1f} "
                   f"images/s, ours (cached) {results['ours', nw]:.1f} images/s, "
