@@ -222,3 +222,16 @@ def test_missing_or_incomplete_cache_is_a_one_line_error(cache, tmp_path):
         ds[0]
     with pytest.raises(IndexError):
         ds[len(ds)]
+
+
+def test_uint8_output_is_the_float_output_before_scaling(cache):
+    f = CachedDetectionDataset(cache, "train", hflip=0.5, seed=2)
+    u = CachedDetectionDataset(cache, "train", hflip=0.5, seed=2, image_dtype=torch.uint8)
+    for i in range(len(f)):
+        (fi, ft), (ui, ut) = f[i], u[i]
+        assert ui.dtype == torch.uint8 and ui.is_contiguous()
+        assert torch.equal(ui.float().mul_(1 / 255), fi)
+        assert all(torch.equal(ft[k], ut[k]) for k in ft)
+    ref = list(DataLoader(u, batch_size=4, collate_fn=collate))
+    _same_batches(list(DataLoader(u, batch_size=4, collate_fn=collate, num_workers=2)), ref)
+    assert ref[0][0][0].data_ptr() != u.pixels(0).data_ptr()  # a copy, never a view of the read-only map
