@@ -6,7 +6,6 @@ import math
 import shutil
 
 import fsspec
-import numpy as np
 import pyarrow.fs as pafs
 import pytest
 import torch
