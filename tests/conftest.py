@@ -29,6 +29,8 @@ def stage_env() -> dict:
     """Environment for running ``python -m stages.X`` outside the repository root."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    # `python`, `dvc`, `torchrun` in subprocesses (e.g. dvc.yaml's commands) are this interpreter's
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
     env.setdefault("AWS_EC2_METADATA_DISABLED", "true")
     return env
 
