@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from stages.common import StageError
 
@@ -86,6 +86,12 @@ class Train(_Section):
     eval_every: int = Field(default=0, ge=0)
     log_every: int = Field(default=1, ge=1)
     cache_url: Optional[str] = None
+
+    @field_validator("amp", mode="before")
+    @classmethod
+    def _amp_off(cls, v):
+        # YAML 1.1 (PyYAML) reads an unquoted `off` as False; DVC's `-S` rewrites params.yaml unquoted.
+        return "off" if v is False else v
 
     @model_validator(mode="after")
     def _check(self):

@@ -16,6 +16,7 @@ is nothing to resume.
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import json
 import logging
@@ -159,7 +160,12 @@ class Trainer(TrainerBase):
         if self.distributed:
             rngs = [None] * self.world_size
             dist.all_gather_object(rngs, rng_state())
+        epoch, pos = divmod(done, self.iters_per_epoch)
+        at_next = copy.copy(self.sampler)  # the live sampler is being iterated: leave it alone
+        at_next.set_epoch(epoch, pos * self.cfg.batch_size * self.cfg.accumulate)
+        sampler_state = at_next.state_dict(consumed=0)  # where the next iteration starts reading
         return {"format": 1, "iter": done, "fingerprint": self.fingerprint, "world_size": self.world_size,
+                "sampler": sampler_state,
                 "model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "scaler": self.scaler.state_dict(), "hooks": self.hooks_state(),
                 "trainer": {"bad_steps": self.bad_steps}, "rng": rngs}
@@ -171,6 +177,10 @@ class Trainer(TrainerBase):
         self.load_hooks_state(state["hooks"])
         self.bad_steps = int(state["trainer"]["bad_steps"])
         set_rng_state(state["rng"][self.rank])
+        try:  # the sampler must be the one that produced the checkpoint; its position follows from "iter"
+            self.sampler.load_state_dict(state["sampler"])
+        except ValueError as e:
+            raise StageError(f"checkpoint at iteration {state['iter']}: sampler does not match this run ({e})") from None
 
 
 def memory_mb(device: torch.device) -> float:

@@ -53,3 +53,14 @@ def test_rng_state_roundtrip_through_weights_only_load(tmp_path):
     expected = (random.random(), np.random.rand(), torch.rand(1))
     set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
     assert (random.random(), np.random.rand(), torch.rand(1)) == expected
+
+
+def test_amp_off_survives_yaml_rewrites(tmp_path):
+    """`dvc exp run -S` rewrites params.yaml with `amp: off` unquoted, which YAML 1.1 reads as False."""
+    import shutil
+    from stages.params import load
+
+    p = tmp_path / "params.yaml"
+    shutil.copy("params.yaml", p)
+    p.write_text(p.read_text().replace('amp: "off"', "amp: off"))
+    assert load("train", p).amp == "off"
