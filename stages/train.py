@@ -108,9 +108,9 @@ class Trainer(TrainerBase):
                     it += 1
 
     def _forward(self, images, targets) -> tuple[torch.Tensor, dict]:
+        # channels_last applies to the model's weights (set in build_trainer): the model's transform batches these
+        # 3-D images into one 4-D tensor, and its convolutions then run channels-last.
         images = [im.to(self.device, non_blocking=True) for im in images]
-        if self.cfg.channels_last:
-            images = [im.contiguous(memory_format=torch.channels_last) for im in images]
         targets = [{"boxes": t["boxes"].to(self.device), "labels": t["labels"].to(self.device)} for t in targets]
         with torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32,
                             enabled=self.amp_dtype is not None):
