@@ -193,9 +193,12 @@ def memory_mb(device: torch.device) -> float:
 
 
 def weights_digest(model: torch.nn.Module) -> str:
-    """sha256 (hex, 16 chars) over every tensor of the state_dict, in key order (CPU bytes)."""
+    """sha256 (hex, 16 chars) over every parameter, in name order (CPU bytes).
+
+    Buffers are left out on purpose: DDP broadcasts them from rank 0 at the start of each forward, so after
+    the last forward each rank's BatchNorm running statistics are its own (rank 0's are the ones saved)."""
     h = hashlib.sha256()
-    for k, v in model.state_dict().items():
+    for k, v in model.named_parameters():
         h.update(k.encode())
         h.update(v.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]
@@ -334,7 +337,8 @@ def build_trainer(cfg: params_mod.Train, cache_dir: Path = CACHE_DIR, arrow_meta
     if cfg.eval_every:
         hooks.append(EvalHook(cfg.eval_every, make_eval_fn(cache_root, Path(arrow_meta)),
                               Path(ckpt_dir) / "best.pt", config, ema))
-    hooks += [CheckpointHook(ckpt_dir, cfg.checkpoint_every, cfg.keep_last), MetricsHook(live_dir, cfg.log_every),
+    # the metrics hook records this step's row before the checkpoint hook saves its history
+    hooks += [MetricsHook(live_dir, cfg.log_every), CheckpointHook(ckpt_dir, cfg.checkpoint_every, cfg.keep_last),
               ProgressHook()]
     trainer.register_hooks(hooks)
     trainer.config, trainer.ema, trainer.planned_iters = config, ema, max_iter
@@ -383,7 +387,7 @@ def train(cfg: params_mod.Train, cache_dir: Path = CACHE_DIR, arrow_meta: Path =
 
 
 def check_ranks_agree(model: torch.nn.Module, distributed: bool, rank: int, world: int) -> None:
-    """Log this rank's weights digest; with DDP, fail if any rank's final weights differ from rank 0's.
+    """Log this rank's `weights_digest`; with DDP, fail if any rank's parameters differ from rank 0's.
     Raises `StageError` naming the ranks that diverged."""
     digest = weights_digest(model)
     log.info("rank %d final weights digest %s", rank, digest)
