@@ -29,7 +29,9 @@ Design (DVC 3.67, Prefect 3.8):
   released by the kernel if the process dies) from before params are written until they are put back. A second
   run on the same repository logs which run holds it and waits, then runs: it never fails halfway. Stage
   commands also pass ``--wait-for-lock`` so a manual ``dvc repro`` in the same repository makes a stage wait
-  instead of failing on DVC's lock.
+  instead of failing on DVC's lock. If a run's process dies outright (SIGKILL, OOM), the next run that gets
+  the lock kills what is left of the commands it started (their process sessions are recorded beside the lock)
+  and puts params.yaml back before doing anything else.
 * **Resume after failure**: DVC keeps the stages that finished and the train stage's checkpoints
   (``persist: true``); a new run or ``prefect flow-run retry`` re-runs the tasks, DVC skips what is up to date,
   and the train stage resumes from its newest matching checkpoint (``train.resume: auto``).
@@ -111,8 +113,9 @@ def child_env() -> dict[str, str]:
 def run_logged(cmd: list[str], cwd: Path, logger) -> list[str]:
     """Run ``cmd`` in ``cwd`` and send each line of its stdout+stderr to ``logger`` as it comes.
 
-    The command runs in its own process group; if this process is interrupted (Prefect cancellation, Ctrl-C)
-    the group gets SIGTERM, then SIGKILL after 10 s, so no stage keeps running unobserved.
+    The command runs in its own session (recorded beside the repository's flow lock, see `repo_lock`); if
+    this process is interrupted (Prefect cancellation, Ctrl-C) the session's process group gets SIGTERM, then
+    SIGKILL after 10 s, so no stage keeps running unobserved.
     Returns:
         the output lines.
     Raises:
@@ -122,6 +125,7 @@ def run_logged(cmd: list[str], cwd: Path, logger) -> list[str]:
     lines: list[str] = []
     proc = subprocess.Popen(cmd, cwd=cwd, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, text=True, errors="replace", start_new_session=True)
+    _note_session(cwd, proc.pid, running=True)  # start_new_session: its session id is its pid
     try:
         for line in proc.stdout:
             line = line.rstrip()
@@ -132,6 +136,7 @@ def run_logged(cmd: list[str], cwd: Path, logger) -> list[str]:
     finally:
         if proc.poll() is None:
             _stop_group(proc)
+        _note_session(cwd, proc.pid, running=False)
     if rc:
         errors = [ln.strip() for ln in lines if ln.lstrip().lower().startswith("error")]
         detail = "; ".join(errors[-3:]) or (lines[-1] if lines else "no output")
@@ -276,10 +281,20 @@ def restore_stale_params(root: Path, logger) -> None:
 
 # ---------------------------------------------------------------------------------------------- lock
 
+# Repositories whose flow lock this process holds: root -> owner file (see `repo_lock`, `_note_session`).
+_HELD: dict[str, Path] = {}
+
+
 @contextlib.contextmanager
 def repo_lock(root: Path, logger, who: str) -> Iterator[None]:
     """Hold the repository's flow lock (``.dvc/tmp/flow.lock``) for the block; while another run holds it,
-    wait, saying which run that is (logged once, then every `WAIT_LOG_EVERY_S` seconds)."""
+    wait, saying which run that is (logged once, then every `WAIT_LOG_EVERY_S` seconds).
+
+    The owner file beside the lock names the run and the process sessions of the commands it started; a run
+    that finds one after getting the lock knows its holder died without cleaning up (e.g. SIGKILL of the flow
+    process) and first kills those sessions' leftover processes (a stage still running, or stopped), so
+    they cannot write outputs beside this run's.
+    """
     lock_path = root / LOCK
     lock_path.parent.mkdir(parents=True, exist_ok=True)
     lock = FileLock(str(lock_path))
@@ -288,11 +303,9 @@ def repo_lock(root: Path, logger, who: str) -> Iterator[None]:
     try:
         lock.acquire(timeout=0)
     except Timeout:
-        try:
-            owner = json.loads(owner_file.read_text())
-            holder = f"flow run '{owner.get('run')}' (pid {owner.get('pid')}, since {owner.get('since')})"
-        except (OSError, ValueError):
-            holder = "another flow run"
+        owner = _read_owner(owner_file)
+        holder = (f"flow run '{owner.get('run')}' (pid {owner.get('pid')}, since {owner.get('since')})"
+                  if owner else "another flow run")
         logger.warning("repository %s is busy: %s holds %s; this run is queued and waits for it", root, holder, LOCK)
         while True:
             try:
@@ -302,13 +315,62 @@ def repo_lock(root: Path, logger, who: str) -> Iterator[None]:
                 logger.info("still waiting for %s (%.0f s)", LOCK, time.monotonic() - start)
         logger.info("got %s after waiting %.1f s", LOCK, time.monotonic() - start)
     try:
-        atomic_write_bytes(owner_file, json.dumps({"run": who, "pid": os.getpid(),
-                                                   "since": dt.datetime.now().isoformat(timespec="seconds")}).encode())
+        stale = _read_owner(owner_file)
+        if stale:
+            _kill_leftovers(root, stale, logger)
+        _write_owner(owner_file, {"run": who, "pid": os.getpid(),
+                                  "since": dt.datetime.now().isoformat(timespec="seconds"), "sessions": []})
+        _HELD[str(root)] = owner_file
         yield
     finally:
+        _HELD.pop(str(root), None)
         with contextlib.suppress(OSError):
             owner_file.unlink()
         lock.release()
+
+
+def _read_owner(owner_file: Path) -> dict:
+    try:
+        return json.loads(owner_file.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_owner(owner_file: Path, owner: dict) -> None:
+    atomic_write_bytes(owner_file, json.dumps(owner).encode())
+
+
+def _note_session(cwd: Path, sid: int, running: bool) -> None:
+    """Add (``running``) or remove a command's session id in the owner file of the lock held on ``cwd``."""
+    owner_file = _HELD.get(str(Path(cwd).resolve()))
+    if owner_file is None:
+        return
+    owner = _read_owner(owner_file)
+    sessions = set(owner.get("sessions", []))
+    sessions = sessions | {sid} if running else sessions - {sid}
+    _write_owner(owner_file, {**owner, "sessions": sorted(sessions)})
+
+
+def _kill_leftovers(root: Path, owner: dict, logger) -> None:
+    """SIGKILL the processes still running (or stopped) in the sessions a dead flow run recorded, if their
+    working directory is inside ``root`` (guards against reused ids)."""
+    import psutil
+
+    sessions = set(owner.get("sessions", []))
+    victims = []
+    for proc in psutil.process_iter(["cwd"]):
+        try:
+            cwd = proc.info["cwd"]
+            if sessions and os.getsid(proc.pid) in sessions and cwd and Path(cwd).is_relative_to(root):
+                victims.append(proc)
+        except (OSError, psutil.Error):
+            continue
+    for proc in victims:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    psutil.wait_procs(victims, timeout=30)
+    logger.warning("flow run '%s' (pid %s) ended without releasing %s cleanly; killed %d leftover process(es) "
+                   "it had started", owner.get("run"), owner.get("pid"), LOCK, len(victims))
 
 
 # ---------------------------------------------------------------------------------------------- tasks
@@ -380,7 +442,8 @@ def _markdown(result: dict) -> str:
     rows += [f"| {k} | [{p}](file://{p}) |" for k, p in result["paths"].items()]
     if result["metrics"]:
         rows += ["", "| COCO bbox | value |", "|---|---|"]
-        rows += [f"| {k} | {v:.4f} |" for k, v in result["metrics"].items()]
+        rows += [f"| {k} | {v:.4f} |" if isinstance(v, (int, float)) else f"| {k} | {v} |"
+                 for k, v in result["metrics"].items()]
     return "\n".join(rows) + "\n"
 
 
@@ -436,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repo", default=None, help=f"repository (default ${REPO_ENV}, else this checkout)")
     args = parser.parse_args(argv)
     try:
-        overrides = parse_overrides(args.param)
+        overrides = normalize_overrides(parse_overrides(args.param))
     except FlowError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -8,6 +8,7 @@ experiment, resume after a killed training, and two concurrent runs on one repos
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -172,6 +173,7 @@ def prefect(tmp_path_factory):
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DVC_NO_ANALYTICS": "1", "PYTHONDONTWRITEBYTECODE": "1",
            "PREFECT_SERVER_UI_ENABLED": "false", "PREFECT_CLI_WRAP_LINES": "false",
            "PREFECT_RUNNER_POLL_FREQUENCY": "2",  # serve picks new runs up within 2 s
+           "PREFECT_LOGGING_TO_API_BATCH_INTERVAL": "0.5",
            "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@localhost",
            "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@localhost"}
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
@@ -230,11 +232,14 @@ def experiments(repo: Path) -> dict[str, dict]:
 
 
 def _stage_segment(logs: str, stage: str) -> str:
-    """The log lines of the last execution of ``stage``'s task in ``logs``."""
-    start = logs.rfind(f"repro --single-item {stage}")
-    assert start >= 0, f"no {stage} task in the logs"
-    end = logs.find("repro --single-item", start + 1)
-    return logs[start:end if end >= 0 else len(logs)]
+    """The log lines of the last execution of ``stage``'s task in ``logs`` (from its ``$ ... dvc ... repro``
+    line to the next command line the flow logged)."""
+    lines = logs.splitlines()
+    commands = [i for i, ln in enumerate(lines) if re.search(r" - \$ \S+ -m dvc ", ln)]
+    starts = [i for i in commands if lines[i].endswith(f"repro --single-item {stage}")]
+    assert starts, f"no {stage} task in the logs"
+    end = next((i for i in commands if i > starts[-1]), len(lines))
+    return "\n".join(lines[starts[-1]:end])
 
 
 # ---------------------------------------------------------------------------------------------- slow tests
@@ -260,63 +265,105 @@ def _checkpoints(repo: Path) -> list[int]:
     return sorted(int(p.stem.split("-")[1]) for p in (repo / "checkpoints").glob("ckpt-*.pt"))
 
 
-def _kill_after_checkpoint(repo: Path, after: int, run: subprocess.Popen, timeout: float = 300) -> int:
-    """Wait until a checkpoint of an iteration > ``after`` exists, SIGKILL the train stage's launcher (its
-    torchrun workers die with it) and return the newest checkpoint's iteration."""
+def _wait_checkpoint(repo: Path, after: int, run: subprocess.Popen, timeout: float = 300) -> int:
+    """Wait until a checkpoint of an iteration > ``after`` exists and the train stage is running; return the
+    newest checkpoint's iteration."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert run.poll() is None, run.stdout.read()[-4000:]
-        if (repo / "checkpoints").is_dir() and _checkpoints(repo) and _checkpoints(repo)[-1] > after:
-            proc = _train_launcher(repo)
-            if proc is not None:
-                workers = proc.children(recursive=True)
-                proc.send_signal(signal.SIGKILL)
-                psutil.wait_procs([proc, *workers], timeout=30)
-                return _checkpoints(repo)[-1]
+        ckpts = _checkpoints(repo) if (repo / "checkpoints").is_dir() else []
+        if ckpts and ckpts[-1] > after and _train_launcher(repo) is not None:
+            return ckpts[-1]
         time.sleep(0.05)
     raise AssertionError(f"no checkpoint after iteration {after} within {timeout} s")
 
 
+def _kill_after_checkpoint(repo: Path, after: int, run: subprocess.Popen) -> int:
+    """`_wait_checkpoint`, then SIGKILL the train stage's launcher (its torchrun workers die with it); return
+    the newest checkpoint's iteration."""
+    _wait_checkpoint(repo, after, run)
+    proc = _train_launcher(repo)
+    workers = proc.children(recursive=True)
+    proc.send_signal(signal.SIGKILL)
+    psutil.wait_procs([proc, *workers], timeout=30)
+    return _checkpoints(repo)[-1]
+
+
+def _flow_process(repo: Path) -> psutil.Process:
+    """The flow run's process: the parent of the ``dvc repro`` it runs in ``repo``."""
+    for p in psutil.process_iter(["cmdline", "cwd"]):
+        with contextlib.suppress(psutil.Error):
+            cmd = p.info["cmdline"] or []
+            if p.info["cwd"] == str(repo) and "dvc" in cmd and "repro" in cmd:
+                return p.parent()
+    raise AssertionError(f"no dvc repro running in {repo}")
+
+
 @pytest.fixture(scope="module")
 def killed_run(prefect, tmp_path_factory):
-    """A deployment run with overrides on a fresh repository copy whose training is SIGKILLed twice (after a
-    checkpoint each time): once in the first attempt of the train task, once in its retry. The run fails;
-    ``prefect flow-run retry`` then completes it."""
-    repo = make_repo(tmp_path_factory.mktemp("flow") / "repo", train={"epochs": 8, "checkpoint_every": 1})
+    """A deployment run with overrides on a fresh repository copy whose training is killed twice, each time
+    after a checkpoint: first the train stage (SIGKILL), which the task's retry resumes; then, in that retry,
+    the flow run's own process (SIGKILL) while the train stage is stopped (SIGSTOP), leaving it behind as a
+    killed runner or machine would. The run crashes; ``prefect flow-run retry`` then completes it."""
+    repo = make_repo(tmp_path_factory.mktemp("flow") / "repo", train={"epochs": 4, "checkpoint_every": 1})
     params_before = (repo / "params.yaml").read_text()
     overrides = {"train.lr": 0.02, "flows.retries": 1, "flows.retry_delay_s": 1}
     run = prefect.start_run(repo, overrides, "killed-run")
-    first = _kill_after_checkpoint(repo, 0, run)
-    second = _kill_after_checkpoint(repo, first, run)  # in the train task's retry
-    out = run.communicate(timeout=300)[0]
-    run_uuid = run_id(out)
-    failed = {"rc": run.returncode, "out": out, "logs": prefect.logs_of(run_uuid),
-              "params_after": (repo / "params.yaml").read_text(), "model": (repo / "models/model.pt").exists()}
-    prefect.cli("flow-run", "retry", run_uuid)
-    final = prefect.wait_final(run_uuid)
-    return {"repo": repo, "id": run_uuid, "first": first, "second": second, "failed": failed, "final": final,
-            "logs": prefect.logs_of(run_uuid), "params_before": params_before}
+    left = []
+    try:
+        first = _kill_after_checkpoint(repo, 0, run)
+        second = _wait_checkpoint(repo, first, run)  # in the train task's retry
+        launcher = _train_launcher(repo)
+        left = [launcher, *launcher.children(recursive=True)]
+        for p in left:
+            p.suspend()
+        second = _checkpoints(repo)[-1]
+        time.sleep(3)  # let the flow process ship the logs it has (batched every 0.5 s) before it dies
+        flow_proc = _flow_process(repo)
+        flow_proc.kill()
+        psutil.wait_procs([flow_proc], timeout=30)
+        out = run.communicate(timeout=300)[0]
+        run_uuid = run_id(out)
+        crashed = {"rc": run.returncode, "out": out, "logs": prefect.logs_of(run_uuid),
+                   "params_after": (repo / "params.yaml").read_text(), "model": (repo / "models/model.pt").exists(),
+                   "backup": (repo / ".dvc/tmp/flows/params.yaml.orig").exists(),
+                   "left_alive": all(p.is_running() for p in left)}
+        prefect.cli("flow-run", "retry", run_uuid)
+        final = prefect.wait_final(run_uuid)
+        gone = [not p.is_running() or p.status() == psutil.STATUS_ZOMBIE for p in left]
+    finally:
+        for p in left:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+    return {"repo": repo, "id": run_uuid, "first": first, "second": second, "crashed": crashed, "final": final,
+            "gone": gone, "logs": prefect.logs_of(run_uuid), "params_before": params_before}
 
 
 @pytest.mark.slow
 def test_killed_training_resumes(killed_run):
-    """The killed train task's retry resumes from the checkpoint; when retries are spent the run fails, and
-    ``prefect flow-run retry`` skips the finished stages and resumes training again."""
-    failed, logs = killed_run["failed"], killed_run["logs"]
-    assert failed["rc"] != 0 and "Failed" in failed["out"], failed["out"][-3000:]
-    assert f"resuming from checkpoints/ckpt-{killed_run['first']:07d}.pt" in failed["logs"], failed["logs"][-6000:]
-    assert "params.yaml put back" in failed["logs"] and failed["params_after"] == killed_run["params_before"]
-    assert not failed["model"]
+    """The killed train task's retry resumes from the checkpoint; after the flow process itself is killed,
+    ``prefect flow-run retry`` kills the stage it left behind, puts params.yaml back, skips the finished stages
+    and resumes training again."""
+    crashed, logs = killed_run["crashed"], killed_run["logs"]
+    assert crashed["rc"] != 0 and "Crashed" in crashed["out"], crashed["out"][-3000:]
+    assert f"resuming from checkpoints/ckpt-{killed_run['first']:07d}.pt" in crashed["logs"], crashed["logs"][-6000:]
+    assert crashed["backup"] and crashed["params_after"] != killed_run["params_before"] and crashed["left_alive"]
+    assert not crashed["model"]
 
     assert killed_run["final"]["state"]["type"] == "COMPLETED", logs[-6000:]
+    killed = re.search(r"killed (\d+) leftover process\(es\)", logs)
+    # the stopped train stage and its torchrun workers were killed (and whatever else was left in its session)
+    assert killed and int(killed.group(1)) >= len(killed_run["gone"]) and all(killed_run["gone"]), logs[-6000:]
+    assert "left params.yaml overridden; restoring it" in logs
     for stage in ("download", "convert", "augment"):
         assert f"Stage '{stage}' didn't change, skipping" in _stage_segment(logs, stage), stage
     train_log = _stage_segment(logs, "train")
     assert f"resuming from checkpoints/ckpt-{killed_run['second']:07d}.pt" in train_log, train_log[-4000:]
     assert "starting fresh" not in train_log
     repo = killed_run["repo"]
-    assert _checkpoints(repo)[-1] == 16  # 8 epochs x 2 iterations (9 train images, batch 4)
+    assert _checkpoints(repo)[-1] == 8  # 4 epochs x 2 iterations (9 train images, batch 4)
     assert (repo / "params.yaml").read_text() == killed_run["params_before"]
+    assert not (repo / ".dvc/tmp/flows/params.yaml.orig").exists()
 
 
 @pytest.mark.slow
@@ -330,7 +377,7 @@ def test_run_outputs_result_and_experiment(prefect, killed_run):
         assert (repo / rel).is_file(), rel
     exp = experiments(repo)["killed-run"]
     assert exp["params"]["train"]["lr"] == 0.02 and exp["params"]["flows"]["retries"] == 1
-    assert exp["params"]["train"]["epochs"] == 8  # committed, not overridden
+    assert exp["params"]["train"]["epochs"] == 4  # committed, not overridden
     eval_metrics = exp["metrics"]["metrics/eval.json"]
     assert eval_metrics == json.loads((repo / "metrics/eval.json").read_text()) and len(eval_metrics["bbox"]) == 12
     assert exp["metrics"]["dvclive/metrics.json"]  # untracked `cache: false` metrics are in the experiment
