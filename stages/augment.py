@@ -27,8 +27,16 @@ offset_y       float64                           original-pixel coordinate of ca
 offset_x       float64                           a crop / zoom-out variant): ``orig = cached / scale + offset``
 boxes          list<fixed_size_list<float32,4>>  non-crowd boxes, XYXY, cached pixels
 labels         list<int64>                       contiguous labels (1..K; 0 is background)
+masks          list<binary> (nullable)           per object of ``boxes`` (same order), its instance mask at the
+                                                 cached size as the ``counts`` of a pycocotools compressed
+                                                 RLE (``{"size": [height, width], "counts": ...}``, column-
+                                                 major); null when an object of the row has no segmentation
 pixels         binary                            ``3 * height * width`` bytes, uint8, CHW (planar), RGB
 ============== ================================= ==========================================================
+
+``index.arrow`` also has ``has_masks`` (bool): the row's ``masks`` is not null (every object has a mask; true for
+an image without objects). ``meta.json`` says ``"masks": true`` when every row of every split has masks and there
+is at least one; per split it counts ``masks`` (stored) and ``rows_without_masks``.
 
 Rows are image-major: an image's K variants are consecutive rows, variant 0 first.
 
@@ -49,15 +57,27 @@ height is not positive are dropped — the rules of torchvision's ``references/d
 (``ConvertCocoPolysToMask``); the same positivity rule is applied again after resizing. All are counted in
 ``meta.json``.
 
+Masks: each kept object's ``segmentation`` (`stages.convert`'s JSON text, in original pixels of the decoded,
+EXIF-oriented image) is rasterized at the cached size with ``pycocotools.mask``. Polygons are mapped to the cached
+frame (``cached = (orig - offset) * scale``) and rasterized there with ``frPyObjects`` + ``merge`` (exact for
+polygons, and cheap); polygons with fewer than 3 points (< 6 numbers) enclose nothing and are skipped
+(``frPyObjects`` would read a 4-number one as a box). RLE masks (compressed or uncompressed, ``size`` must be the
+original ``[height, width]``) are decoded, translated by the variant's offset, resized with bilinear interpolation
+and antialias as float and kept where ``>= 0.5`` (the pixel is at least half covered). An object without a
+segmentation (``""``, ``[]``) makes the row's ``masks`` null; box-only models never read the column.
+
 Copies (``augment.copies: K > 0``, train split only; val is never augmented): each image is stored K times,
 variant ``k`` drawn deterministically from ``(augment.seed, image_id, k)`` by the SSD augmentation of
 torchvision's ``references/detection/presets.py`` (``data_augmentation="ssd"``), applied to the decoded original
 before the final resize: ``RandomPhotometricDistort()``, ``RandomZoomOut(fill=(123, 117, 104))``,
 ``RandomIoUCrop()``, ``SanitizeBoundingBoxes()`` (torchvision.transforms.v2; an image without boxes gets no IoU
-crop, which needs boxes to aim at). Boxes removed by the crop are counted as ``crop_dropped``. The loader picks variant ``(epoch + seed) mod K`` and flips at load time.
+crop, which needs boxes to aim at). Boxes removed by the crop are counted as ``crop_dropped``. Zoom-out and
+IoU crop only translate the image (by whole pixels) and change its canvas, so masks follow them exactly through the
+recorded offset (see Masks above), and an object removed by ``SanitizeBoundingBoxes`` loses its mask too. The loader picks variant ``(epoch + seed) mod K`` and flips at load time.
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
 from collections import deque
@@ -69,6 +89,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 import torch
+from pycocotools import mask as mask_utils
 from torchvision import tv_tensors
 from torchvision.transforms import v2 as T
 from torchvision.transforms.v2 import functional as TF
@@ -85,7 +106,7 @@ CACHE_DIR = Path("data/cache")
 SPLITS = ("train", "val")
 SHARD_BYTES = 256 << 20  # pixel bytes per output shard
 INDEX_FILE = "index.arrow"
-CACHE_FORMAT = 2
+CACHE_FORMAT = 3  # 3: masks column
 # Fill of the zoom-out canvas: the ImageNet mean in 0..255, as in torchvision's references/detection/presets.py.
 ZOOM_OUT_FILL = (123, 117, 104)
 
@@ -102,10 +123,12 @@ CACHE_SCHEMA = pa.schema([
     ("offset_x", pa.float64()),
     ("boxes", pa.list_(pa.list_(pa.float32(), 4))),
     ("labels", pa.list_(pa.int64())),
+    ("masks", pa.list_(pa.binary())),
     ("pixels", pa.binary()),
 ])
-INDEX_SCHEMA = pa.schema([f for f in CACHE_SCHEMA if f.name != "pixels"]
-                         + [pa.field("shard", pa.string()), pa.field("batch", pa.int32())])
+INDEX_SCHEMA = pa.schema([f for f in CACHE_SCHEMA if f.name not in ("pixels", "masks")]
+                         + [pa.field("has_masks", pa.bool_()), pa.field("shard", pa.string()),
+                            pa.field("batch", pa.int32())])
 
 
 def target_size(orig_h: int, orig_w: int, cfg: params_mod.Augment) -> tuple[int, int]:
@@ -198,8 +221,9 @@ def ssd_variant(chw: torch.Tensor, boxes: np.ndarray, labels: np.ndarray, seed: 
         labels: ``(N,)`` int64.
         seed: torch seed for this variant (`variant_seed`); the global torch RNG is left untouched.
     Returns:
-        ``(image (3, h, w) uint8, boxes (M, 4) float32, labels (M,) int64, (offset_y, offset_x))`` where
-        ``offset`` is the original-pixel coordinate of the variant's pixel (0, 0); ``M <= N``.
+        ``(image (3, h, w) uint8, boxes (M, 4) float32, labels (M,) int64, (offset_y, offset_x), kept (M,) int64)``
+        where ``offset`` is the original-pixel coordinate of the variant's pixel (0, 0) (whole pixels) and
+        ``kept`` the indices into ``boxes`` of the M objects that survive (in order); ``M <= N``.
     """
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -218,24 +242,116 @@ def ssd_variant(chw: torch.Tensor, boxes: np.ndarray, labels: np.ndarray, seed: 
             if crop.last_params:
                 offset_y += crop.last_params["top"]
                 offset_x += crop.last_params["left"]
-        out = T.SanitizeBoundingBoxes()({"image": image, "boxes": bb,
-                                          "labels": torch.as_tensor(labels, dtype=torch.int64)})
+        sample = {"image": image, "boxes": bb, "labels": torch.as_tensor(labels, dtype=torch.int64),
+                  "kept": torch.arange(len(labels), dtype=torch.int64)}
+        out = T.SanitizeBoundingBoxes(labels_getter=lambda d: (d["labels"], d["kept"]))(sample)
     return (out["image"].as_subclass(torch.Tensor), out["boxes"].as_subclass(torch.Tensor).numpy(),
-            out["labels"].numpy(), (offset_y, offset_x))
+            out["labels"].numpy(), (offset_y, offset_x), out["kept"].numpy())
+
+
+def parse_segmentation(text: str | None, source: str = "") -> list | dict | None:
+    """A `stages.convert` ``segmentation`` cell (JSON text) as COCO polygons (list of lists) or an RLE dict;
+    None when the object has no segmentation (``""``, ``null``, ``[]``, ``{}``).
+
+    Raises:
+        StageError: the text is not JSON, or neither polygons nor an RLE dict with ``size`` and ``counts``
+        (names ``source``: file, image and annotation id).
+    """
+    if not text:
+        return None
+    try:
+        seg = json.loads(text) if isinstance(text, (str, bytes)) else text
+    except json.JSONDecodeError as e:
+        raise StageError(f"{source}: segmentation is not valid JSON ({e})") from None
+    if not seg:
+        return None
+    if isinstance(seg, list) and all(isinstance(p, list) for p in seg):
+        return seg
+    if isinstance(seg, dict) and "size" in seg and "counts" in seg:
+        return seg
+    raise StageError(f"{source}: segmentation is neither COCO polygons nor an RLE dict with 'size' and 'counts' "
+                     f"(rule: COCO segmentation format)")
+
+
+def rasterize_mask(seg: list | dict, orig_size: tuple[int, int], src_size: tuple[int, int],
+                   offset: tuple[float, float], out_size: tuple[int, int], source: str = "") -> bytes:
+    """One object's COCO segmentation (original pixels) as a mask of the cached image, compressed-RLE encoded.
+
+    The cached image is the source canvas ``src_size = (sh, sw)`` (the decoded image, or an SSD variant of it whose
+    pixel ``(0, 0)`` is original pixel ``offset = (oy, ox)``, whole pixels) resized to ``out_size = (h, w)``:
+    ``cached = (orig - offset) * (h / sh, w / sw)``.
+
+    * Polygons: every point is mapped by that formula and the polygons are rasterized at ``(h, w)`` with
+      ``pycocotools.mask.frPyObjects`` + ``merge`` (which clips to the canvas); polygons with < 6 numbers are
+      skipped (no area; ``frPyObjects`` would read 4 numbers as a box).
+    * RLE (compressed or uncompressed; ``size`` must be ``orig_size``): decoded, translated onto the source
+      canvas, resized as float32 with bilinear interpolation and antialias (``torchvision.transforms.v2``) and
+      kept where ``>= 0.5``.
+
+    Args:
+        seg: `parse_segmentation`'s output (not None).
+        orig_size, src_size, out_size: ``(height, width)`` in pixels.
+        offset: ``(offset_y, offset_x)`` in original pixels.
+        source: names the file/record in errors.
+    Returns:
+        ``counts`` (bytes) of the pycocotools compressed RLE of the ``(h, w)`` uint8 mask (column-major, as
+        ``pycocotools.mask.encode``); decode with ``{"size": [h, w], "counts": counts}``.
+    Raises:
+        StageError: an RLE whose ``size`` is not ``orig_size``, or malformed polygons/RLE.
+    """
+    (oh, ow), (sh, sw), (h, w) = orig_size, src_size, out_size
+    oy, ox = offset
+    sy, sx = h / sh, w / sw
+    try:
+        if isinstance(seg, list):
+            polys = []
+            for p in seg:
+                if len(p) < 6:
+                    continue
+                xy = np.asarray(p, dtype=np.float64)[: len(p) // 2 * 2].reshape(-1, 2)
+                xy = (xy - [ox, oy]) * [sx, sy]
+                polys.append(xy.reshape(-1).tolist())
+            if not polys:
+                return mask_utils.encode(np.zeros((h, w, 1), dtype=np.uint8, order="F"))[0]["counts"]
+            return mask_utils.merge(mask_utils.frPyObjects(polys, h, w))["counts"]
+        size = [int(v) for v in seg["size"]]
+        if size != [oh, ow]:
+            raise StageError(f"{source}: segmentation RLE size {size} != image [height, width] [{oh}, {ow}] "
+                             f"(rule: an RLE covers its whole image)")
+        rle = mask_utils.frPyObjects(seg, oh, ow) if isinstance(seg["counts"], list) else seg
+        m = torch.from_numpy(mask_utils.decode(rle))
+    except StageError:
+        raise
+    except Exception as e:  # noqa: BLE001 - malformed polygons / RLE from the data
+        raise StageError(f"{source}: segmentation is not valid COCO polygons/RLE ({type(e).__name__}: {e})") from None
+    if (sh, sw) != (oh, ow) or oy or ox:
+        canvas = torch.zeros((sh, sw), dtype=torch.uint8)
+        y0, x0 = int(round(oy)), int(round(ox))  # canvas pixel (r, c) is original pixel (r + y0, c + x0)
+        r0, r1 = max(0, -y0), min(sh, oh - y0)
+        c0, c1 = max(0, -x0), min(sw, ow - x0)
+        if r1 > r0 and c1 > c0:
+            canvas[r0:r1, c0:c1] = m[r0 + y0:r1 + y0, c0 + x0:c1 + x0]
+        m = canvas
+    if (sh, sw) != (h, w):
+        m = TF.resize(m[None].float(), [h, w], interpolation=T.InterpolationMode.BILINEAR, antialias=True)[0] >= 0.5
+    return mask_utils.encode(np.asfortranarray(m.numpy().astype(np.uint8)))["counts"]
 
 
 def process_image(row: dict, cfg: params_mod.Augment, copies: int) -> tuple[list[dict], dict]:
     """Decode one converted row (a dict of `stages.convert` columns) and make its cache rows.
 
     ``copies == 0``: one row, the plain resize. ``copies == K > 0``: K rows, variant ``k`` = `ssd_variant` with
-    seed `variant_seed` ``(cfg.seed, image_id, k)``, then resized.
+    seed `variant_seed` ``(cfg.seed, image_id, k)``, then resized. Each row's ``masks`` (`rasterize_mask` per
+    kept object) is None when the row has no ``segmentation`` column or one of its objects has none.
     Returns ``(rows, counts)``; rows are `CACHE_SCHEMA` dicts, counts has ``crowd_excluded``,
     ``degenerate_dropped``, ``crop_dropped`` (summed over the rows).
     Raises:
-        StageError: the image bytes cannot be decoded (names the file and image id).
+        StageError: the image bytes cannot be decoded, or a segmentation is malformed (names the file, image id
+        and annotation id).
     """
     image_id = int(row["image_id"])
-    pixels = decode_rgb(row["image"], f"{row['file_name']} (image_id {image_id})")
+    where = f"{row['file_name']} (image_id {image_id})"
+    pixels = decode_rgb(row["image"], where)
     oh, ow = pixels.shape[:2]
     labels = np.asarray(row["label"], dtype=np.int64)
     crowd = np.asarray(row["iscrowd"], dtype=np.int64).astype(bool)
@@ -244,30 +360,41 @@ def process_image(row: dict, cfg: params_mod.Augment, copies: int) -> tuple[list
     keep = valid_boxes(xyxy)
     counts = {"crowd_excluded": int(crowd.sum()), "degenerate_dropped": int((~keep).sum()), "crop_dropped": 0}
     xyxy, labels = xyxy[keep], labels[keep]
+    segs = None
+    if row.get("segmentation") is not None:
+        ann_ids = row.get("ann_id") or [None] * len(crowd)
+        objs = [(t, a) for t, a, c in zip(row["segmentation"], ann_ids, crowd) if not c]
+        segs = [(parse_segmentation(t, f"{where}, annotation id {a}"), f"{where}, annotation id {a}")
+                for (t, a), k in zip(objs, keep) if k]
 
     chw = torch.from_numpy(pixels).permute(2, 0, 1)
     if copies == 0:
-        sources = [(0, chw, xyxy, labels, (0.0, 0.0))]
+        sources = [(0, chw, xyxy, labels, (0.0, 0.0), np.arange(len(labels)))]
     else:
         sources = []
         for k in range(copies):
-            img, b, lab, offset = ssd_variant(chw, xyxy, labels, variant_seed(cfg.seed, image_id, k))
+            img, b, lab, offset, kept = ssd_variant(chw, xyxy, labels, variant_seed(cfg.seed, image_id, k))
             counts["crop_dropped"] += len(labels) - len(lab)
-            sources.append((k, img, b, lab, offset))
+            sources.append((k, img, b, lab, offset, kept))
 
     rows = []
-    for k, img, b, lab, (off_y, off_x) in sources:
+    for k, img, b, lab, (off_y, off_x), kept in sources:
         sh, sw = img.shape[-2:]
         h, w = target_size(sh, sw, cfg)
         sy, sx = h / sh, w / sw
         b = np.asarray(b, dtype=np.float64).reshape(-1, 4) * np.array([sx, sy, sx, sy])
         ok = valid_boxes(b)
         counts["degenerate_dropped"] += int((~ok).sum())
+        masks = None
+        if segs is not None:
+            objs = [segs[j] for j, o in zip(kept, ok) if o]
+            if all(seg is not None for seg, _ in objs):
+                masks = [rasterize_mask(seg, (oh, ow), (sh, sw), (off_y, off_x), (h, w), src) for seg, src in objs]
         rows.append({
             "image_id": image_id, "variant": k, "height": h, "width": w, "orig_height": oh, "orig_width": ow,
             "scale_y": sy, "scale_x": sx, "offset_y": off_y, "offset_x": off_x,
             "boxes": b[ok].astype(np.float32).tolist(), "labels": np.asarray(lab, dtype=np.int64)[ok].tolist(),
-            "pixels": resize_pixels(img, (h, w)).tobytes(),
+            "masks": masks, "pixels": resize_pixels(img, (h, w)).tobytes(),
         })
     return rows, counts
 
@@ -296,6 +423,7 @@ def bounded_map(pool: Executor | None, fn: Callable, items: Iterable, window: in
 def _iter_source_batches(split_dir: Path, rows_per_task: int = 8) -> Iterator[list[dict]]:
     """Yield lists of converted rows (only the columns augment reads), shard by shard, in file order."""
     cols = ["image_id", "file_name", "image", "bbox", "label", "iscrowd"]
+    optional = ["ann_id", "segmentation"]  # masks (and annotation ids for error messages) when present
     for shard in sorted(split_dir.glob("*.arrow")):
         with pa.memory_map(str(shard)) as src:
             try:
@@ -305,7 +433,7 @@ def _iter_source_batches(split_dir: Path, rows_per_task: int = 8) -> Iterator[li
                     missing = [c for c in cols if c not in batch.schema.names]
                     if missing:
                         raise StageError(f"{shard}: missing column(s) {missing} (re-run the convert stage)")
-                    batch = batch.select(cols)
+                    batch = batch.select(cols + [c for c in optional if c in batch.schema.names])
                     for start in range(0, batch.num_rows, rows_per_task):
                         yield batch.slice(start, rows_per_task).to_pylist()
             except pa.ArrowInvalid as e:
@@ -330,8 +458,9 @@ class _ShardWriter:
             self.index += 1
         arrays = [pa.array([row[f.name]], type=f.type) for f in CACHE_SCHEMA]
         self.writer.write_batch(pa.RecordBatch.from_arrays(arrays, schema=CACHE_SCHEMA))
-        self.index_rows.append({**{k: v for k, v in row.items() if k != "pixels"},
-                                "shard": self.shards[-1], "batch": self.batch})
+        self.index_rows.append({**{k: v for k, v in row.items() if k not in ("pixels", "masks")},
+                                "has_masks": row["masks"] is not None, "shard": self.shards[-1],
+                                "batch": self.batch})
         self.batch += 1
         self.bytes += len(row["pixels"])
 
@@ -354,9 +483,10 @@ def build_cache(arrow_dir: Path, cache_dir: Path, cfg: params_mod.Augment) -> di
     The output depends only on the converted data and ``cfg`` minus ``workers`` (each variant has its own
     seed), so any number of workers gives the same bytes.
     Returns the ``meta.json`` dict: per split the image and row counts, boxes kept, crowd boxes excluded,
-    degenerate boxes dropped, boxes dropped by crops, and shard names; plus the resize and copy settings.
+    degenerate boxes dropped, boxes dropped by crops, masks stored, rows without masks, and shard names; plus the
+    resize and copy settings and ``masks`` (true when every row has its objects' masks and there is one at least).
     Raises:
-        StageError: missing converted data, or an image that cannot be decoded.
+        StageError: missing converted data, an image that cannot be decoded, a malformed segmentation.
     """
     meta_in = Path(arrow_dir) / "meta.json"
     if not meta_in.is_file():
@@ -366,7 +496,9 @@ def build_cache(arrow_dir: Path, cache_dir: Path, cfg: params_mod.Augment) -> di
             "augmentation": ("torchvision.transforms.v2 RandomPhotometricDistort, RandomZoomOut(fill="
                              f"{list(ZOOM_OUT_FILL)}), RandomIoUCrop, SanitizeBoundingBoxes (train split)"
                              if cfg.copies else "none"),
-            "pixel_format": "uint8 CHW RGB", "box_format": "XYXY pixels", "index": INDEX_FILE, "splits": {}}
+            "pixel_format": "uint8 CHW RGB", "box_format": "XYXY pixels",
+            "mask_format": "pycocotools compressed RLE counts at the cached size, one per box", "masks": False,
+            "index": INDEX_FILE, "splits": {}}
     workers = max(0, cfg.workers)
     with atomic_dir(cache_dir) as tmp:
         pool = ProcessPoolExecutor(workers) if workers else None
@@ -379,7 +511,7 @@ def build_cache(arrow_dir: Path, cache_dir: Path, cfg: params_mod.Augment) -> di
                 (tmp / split).mkdir()
                 writer = _ShardWriter(tmp / split)
                 counts = {"images": 0, "rows": 0, "boxes": 0, "crowd_excluded": 0, "degenerate_dropped": 0,
-                          "crop_dropped": 0}
+                          "crop_dropped": 0, "masks": 0, "rows_without_masks": 0}
                 tasks = ((rows, cfg, copies) for rows in _iter_source_batches(split_dir))
                 results = bounded_map(pool, _process_batch, tasks, window=2 * workers)
                 with tqdm(desc=f"augment {split}", unit="img", disable=None) as bar:
@@ -388,6 +520,8 @@ def build_cache(arrow_dir: Path, cache_dir: Path, cfg: params_mod.Augment) -> di
                             for r in rows:
                                 writer.write(r)
                                 counts["boxes"] += len(r["labels"])
+                                counts["masks"] += len(r["masks"] or ())
+                                counts["rows_without_masks"] += r["masks"] is None
                             counts["images"] += 1
                             counts["rows"] += len(rows)
                             for k, v in c.items():
@@ -400,6 +534,8 @@ def build_cache(arrow_dir: Path, cache_dir: Path, cfg: params_mod.Augment) -> di
         finally:
             if pool:
                 pool.shutdown(cancel_futures=True)
+        splits = meta["splits"].values()
+        meta["masks"] = all(c["rows_without_masks"] == 0 for c in splits) and sum(c["masks"] for c in splits) > 0
         atomic_write_json(tmp / "meta.json", meta)
     return meta
 

@@ -6,6 +6,8 @@ memory-mapped: no copy until the float conversion) or a filesystem URL — anyth
 ``pyarrow.fs.FileSystem.from_uri`` understands (``s3://bucket/cache``, ``gs://…``, ``hdfs://…``, ``file:///…``)
 and otherwise any fsspec URL — so every node of a multi-node job can read one cache in object storage directly.
 A remote read fetches one image's record batch (a byte range), never a whole shard.
+
+Instance masks (Mask R-CNN) come only with ``with_masks=True``: box-only models never decode them.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.ipc as ipc
 import torch
+from pycocotools import mask as mask_utils
 from torch.utils.data import Dataset, Sampler
 
 from stages.common import StageError
@@ -28,6 +31,8 @@ from stages.common import StageError
 INDEX_FILE = "index.arrow"  # written by stages.augment (INDEX_SCHEMA)
 _INDEX_COLUMNS = ("image_id", "variant", "height", "width", "orig_height", "orig_width", "scale_y", "scale_x",
                   "offset_y", "offset_x", "boxes", "labels", "shard", "batch")
+_MASK_RULE = ("rule: mask models need a polygon or RLE segmentation for every non-crowd object; use data with "
+              "masks or a box-only model")
 _FLIP_STREAM = 0x666C6970  # a constant third seed word, so flip draws do not reuse the sampler's stream
 
 
@@ -111,7 +116,9 @@ class CachedDetectionDataset(Dataset):
     * ``target``: ``boxes`` ``float32 (N, 4)`` XYXY in cached pixels, ``labels`` ``int64 (N,)``,
       ``image_id`` ``int64`` scalar, ``scale`` ``float64 (2,)`` = ``(scale_y, scale_x)`` and ``offset``
       ``float64 (2,)`` = ``(offset_y, offset_x)`` such that ``original = cached / scale + offset`` (pixels; offset
-      is 0 except for crop/zoom-out variants), ``orig_size`` ``int64 (2,)`` = ``(orig_height, orig_width)``.
+      is 0 except for crop/zoom-out variants), ``orig_size`` ``int64 (2,)`` = ``(orig_height, orig_width)``;
+      with ``with_masks=True`` also ``masks`` ``uint8 (N, H, W)`` (0/1, cached pixels, one per box in the same
+      order, flipped with the image; decoded from the cache's compressed RLE with ``pycocotools.mask.decode``).
 
     With ``augment.copies: K`` the cache holds K variants per image; sample ``i`` in epoch ``e`` is variant
     ``(e + seed) mod K``. Random horizontal flip with probability ``hflip`` is applied at load time; whether
@@ -132,17 +139,21 @@ class CachedDetectionDataset(Dataset):
             4x fewer bytes through worker processes and host-to-device copies; convert on the device with
             ``image.float().mul_(1 / 255)``, which gives bit-identical floats — ``div_(255)`` differs in the last
             bit for about half the values).
+        with_masks: also return the instance masks (for Mask R-CNN); off by default, so box-only models pay
+            nothing for them.
     Raises:
-        StageError: no readable ``index.arrow`` under ``root/split``, or its rows are not grouped by image.
+        StageError: no readable ``index.arrow`` under ``root/split``, or its rows are not grouped by image;
+            ``with_masks=True`` and some row has an object without a mask (the cache's ``has_masks``).
     """
 
     def __init__(self, root: str | Path, split: str, hflip: float = 0.0, seed: int = 0, filesystem: Any = None,
-                 image_dtype: torch.dtype = torch.float32):
+                 image_dtype: torch.dtype = torch.float32, with_masks: bool = False):
         if not 0.0 <= hflip <= 1.0:
             raise ValueError(f"hflip must be in [0, 1], got {hflip}")
         if image_dtype not in (torch.float32, torch.uint8):
             raise ValueError(f"image_dtype must be torch.float32 or torch.uint8, got {image_dtype}")
         self.image_dtype = image_dtype
+        self.with_masks = bool(with_masks)
         self.root, self.split, self.hflip, self.seed, self.epoch = str(root), split, float(hflip), int(seed), 0
         self._explicit_fs = filesystem
         fs, base = resolve_filesystem(self.root, filesystem)
@@ -170,6 +181,13 @@ class CachedDetectionDataset(Dataset):
         self._shard_names: list[str] = shard.dictionary.to_pylist()
         self._shard = shard.indices.to_numpy().astype(np.int64)
         self._batch = col("batch").astype(np.int64)
+        if self.with_masks:
+            has = col("has_masks").astype(bool) if "has_masks" in table.schema.names else np.zeros(n_rows, bool)
+            if not has.all():
+                bad = int((~has).sum())
+                first = int(image_id[~has][0])
+                raise StageError(f"{self._split_dir}/{INDEX_FILE}: {bad} of {n_rows} rows (first: image_id {first}) "
+                                 f"have objects without an instance mask ({_MASK_RULE})")
         self._readers: dict[int, ipc.RecordBatchFileReader] = {}
         self._fs = fs
         self._pid = os.getpid()
@@ -220,17 +238,42 @@ class CachedDetectionDataset(Dataset):
             self._readers[shard] = reader
         return reader
 
-    def pixels(self, i: int) -> torch.Tensor:
+    def _record(self, r: int) -> pa.RecordBatch:
+        return self._reader(self._shard[r]).get_batch(self._batch[r])
+
+    def pixels(self, i: int, record: pa.RecordBatch | None = None) -> torch.Tensor:
         """Cached uint8 pixels of sample ``i`` (current epoch's variant, not flipped): ``(3, H, W)`` uint8 tensor
         viewing the memory map / read buffer (read-only: do not write to it)."""
         r = self.row(i)
         h, w = self._hw[r]
-        col = self._reader(self._shard[r]).get_batch(self._batch[r]).column("pixels")
+        col = (record if record is not None else self._record(r)).column("pixels")
         start = int(np.frombuffer(col.buffers()[1], dtype=np.int32, count=1, offset=4 * col.offset)[0])
         arr = np.frombuffer(col.buffers()[2], dtype=np.uint8, count=3 * h * w, offset=start)
         with warnings.catch_warnings():  # the buffer is read-only; we only ever read it
             warnings.simplefilter("ignore", UserWarning)
             return torch.from_numpy(arr).view(3, h, w)
+
+    def masks(self, i: int, record: pa.RecordBatch | None = None) -> np.ndarray:
+        """Instance masks of sample ``i`` (current epoch's variant, not flipped): ``(N, H, W)`` uint8 0/1 numpy
+        array, C-contiguous, one per box of the sample in the same order.
+        Raises:
+            StageError: the row has no masks (an object without segmentation) or the shard has no masks column.
+        """
+        r = self.row(i)
+        h, w = (int(v) for v in self._hw[r])
+        record = record if record is not None else self._record(r)
+        where = f"{self._split_dir}/{self._shard_names[self._shard[r]]}"
+        if "masks" not in record.schema.names:
+            raise StageError(f"{where}: no masks column (a cache from an older augment stage; re-run it)")
+        counts = record.column("masks")[0].as_py()
+        n = int(self._box_off[r + 1] - self._box_off[r])
+        if counts is None or len(counts) != n:
+            raise StageError(f"{where}: image_id {int(self._image_id[r])} has {n} boxes but "
+                             f"{'no' if counts is None else len(counts)} masks ({_MASK_RULE})")
+        if n == 0:
+            return np.zeros((0, h, w), dtype=np.uint8)
+        decoded = mask_utils.decode([{"size": [h, w], "counts": c} for c in counts])  # (h, w, n), column-major
+        return np.ascontiguousarray(decoded.transpose(2, 0, 1))
 
     def __getitem__(self, i: int):
         return self._sample(i)
@@ -253,29 +296,36 @@ class CachedDetectionDataset(Dataset):
         labels = torch.empty(sum(n_box), dtype=torch.int64)
         ints = torch.empty(len(rows), 3, dtype=torch.int64)
         floats = torch.empty(len(rows), 4, dtype=torch.float64)
-        out, o, b = [], 0, 0
+        mask_numel = [n * e // 3 for n, e in zip(n_box, numel)] if self.with_masks else [0] * len(rows)
+        masks = torch.empty(sum(mask_numel), dtype=torch.uint8)
+        out, o, b, m = [], 0, 0, 0
         for j, i in enumerate(indices):
             r = rows[j]
             h, w = (int(v) for v in self._hw[r])
+            masks_out = masks[m:m + mask_numel[j]].view(n_box[j], h, w) if self.with_masks else None
             image, target = self._sample(i, images[o:o + numel[j]].view(3, h, w), boxes[b:b + n_box[j]],
-                                         labels[b:b + n_box[j]], ints[j], floats[j])
+                                         labels[b:b + n_box[j]], ints[j], floats[j], masks_out)
             out.append((image, target))
-            o, b = o + numel[j], b + n_box[j]
+            o, b, m = o + numel[j], b + n_box[j], m + mask_numel[j]
         return out
 
     def _sample(self, i: int, image: torch.Tensor | None = None, boxes_out: torch.Tensor | None = None,
                 labels_out: torch.Tensor | None = None, ints: torch.Tensor | None = None,
-                floats: torch.Tensor | None = None):
+                floats: torch.Tensor | None = None, masks_out: torch.Tensor | None = None):
         """Sample ``i``; the optional tensors are preallocated outputs (see `__getitems__`)."""
         if not 0 <= i < len(self):
             raise IndexError(f"sample {i} out of range (dataset of {len(self)})")
         r = self.row(i)
-        u8 = self.pixels(i)
+        record = self._record(r)
+        u8 = self.pixels(i, record)
         boxes = self._boxes[self._box_off[r]:self._box_off[r + 1]]
+        masks = self.masks(i, record) if self.with_masks else None
         if self.flipped(i):
             u8 = u8.flip(-1)  # flip uint8 (cheap), before the float conversion
             w = float(self._hw[r, 1])
             boxes = np.stack([w - boxes[:, 2], boxes[:, 1], w - boxes[:, 0], boxes[:, 3]], axis=1)
+            if masks is not None:
+                masks = masks[:, :, ::-1]
         if self.image_dtype == torch.uint8:
             image = u8.clone(memory_format=torch.contiguous_format) if image is None else image.copy_(u8)
         elif image is None:
@@ -299,6 +349,12 @@ class CachedDetectionDataset(Dataset):
             floats.copy_(torch.from_numpy(np.concatenate([self._scale[r], self._offset[r]])))
             target = {"boxes": boxes_out, "labels": labels_out, "image_id": ints[0], "scale": floats[0:2],
                       "offset": floats[2:4], "orig_size": ints[1:3]}
+        if masks is not None:
+            if masks_out is None:
+                target["masks"] = torch.from_numpy(np.ascontiguousarray(masks))
+            else:
+                masks_out.copy_(torch.from_numpy(np.ascontiguousarray(masks)))
+                target["masks"] = masks_out
         return image, target
 
 
@@ -388,6 +444,32 @@ def collate(batch: list[tuple[torch.Tensor, dict]]) -> tuple[list[torch.Tensor],
     take them (images may differ in size)."""
     images, targets = zip(*batch)
     return list(images), list(targets)
+
+
+def uses_masks(model: torch.nn.Module) -> bool:
+    """Whether a torchvision detection model trains on and predicts instance masks (Mask R-CNN: its
+    ``roi_heads`` has a mask head, ``RoIHeads.has_mask()``); such a model needs ``with_masks=True`` data."""
+    heads = getattr(model, "roi_heads", None)
+    return bool(heads is not None and hasattr(heads, "has_mask") and heads.has_mask())
+
+
+def check_cache_masks(cache_meta: dict, model_name: str, where: str = "data/cache/meta.json") -> None:
+    """Fail unless the augmentation cache described by ``cache_meta`` (its ``meta.json``) holds a mask for every
+    object, as mask model ``model_name`` needs.
+
+    Raises:
+        StageError: one line naming the model, ``where``, how many rows lack masks, and the rule.
+    """
+    if cache_meta.get("masks"):
+        return
+    splits = cache_meta.get("splits", {})
+    if "masks" not in cache_meta:
+        why = "it was made by an older augment stage without masks (re-run the augment stage)"
+    else:
+        parts = [f"{c.get('rows_without_masks', 0)} of {c.get('rows', 0)} {name} rows" for name, c in splits.items()]
+        why = f"{' and '.join(parts)} have objects without a segmentation"
+    raise StageError(f"params.yaml: train.model '{model_name}' needs instance masks, but {where} has none: {why} "
+                     f"({_MASK_RULE})")
 
 
 def read_meta(path: str | Path) -> dict:
