@@ -4,8 +4,9 @@
 ``float32 (3, H, W)`` RGB images in [0, 1], it returns ``(losses, detections)`` as torchvision's scripted
 detection models do) and ``models/model.onnx`` (opset ``export.opset``, ``torch.onnx.export(dynamo=False)``;
 input ``image`` ``float32 (3, H, W)`` in [0, 1] with dynamic H and W, outputs ``boxes`` ``float32 (N, 4)``
-XYXY pixels of the input, ``scores`` ``float32 (N,)``, ``labels`` ``int64 (N,)``),
-``models/export_report.json`` and ``models/model_card.md`` (dataset hash, training params, metrics, the
+XYXY pixels of the input, ``scores`` ``float32 (N,)``, ``labels`` ``int64 (N,)``; mask models (Mask R-CNN) also
+``masks`` ``float32 (N, 1, H, W)``, each detection's mask probability in [0, 1] at the input's pixels, threshold at
+0.5 for a binary mask), ``models/export_report.json`` and ``models/model_card.md`` (dataset hash, training params, metrics, the
 input/output spec of each file and a snippet to run it).
 
 Parity check, on ``export.num_images`` val images: every eager detection with score ≥
@@ -16,7 +17,7 @@ difference (pixels) and score difference among matched detections. Detections at
 boundary among near-equal scores are counted apart (see `match_detections`). A model with no detection
 above the threshold (e.g. barely trained: every score ≈ 1/num_classes, so which near-equal box survives
 top-k and NMS is float noise and comparing means nothing) gets a report marked ``vacuous: true`` and a
-logged warning instead of a verdict.
+logged warning instead of a verdict. Masks are not part of the parity figures (boxes, scores and labels are).
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from torchvision.ops import box_iou
 
 from stages import params as params_mod
 from stages.common import StageError, atomic_dir, atomic_write_bytes, atomic_write_json, run_stage
-from stages.data import CachedDetectionDataset
+from stages.data import CachedDetectionDataset, uses_masks
 from stages.download import folder_sha256
 from stages.evaluate import ARROW_DIR, CACHE_DIR, METRICS, MODEL, load_model
 
@@ -87,14 +88,17 @@ def _summarize(per_image: list[dict]) -> dict:
 
 
 class _OnnxWrapper(torch.nn.Module):
-    """One image in, ``(boxes, scores, labels)`` out: the flat signature the ONNX file exposes."""
+    """One image in, ``(boxes, scores, labels)`` out (plus ``masks`` with ``masks=True``): the flat signature the
+    ONNX file exposes."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, masks: bool = False):
         super().__init__()
-        self.model = model
+        self.model, self.masks = model, masks
 
     def forward(self, image: torch.Tensor):
         det = self.model([image])[0]
+        if self.masks:
+            return det["boxes"], det["scores"], det["labels"], det["masks"]
         return det["boxes"], det["scores"], det["labels"]
 
 
@@ -105,6 +109,11 @@ def model_card(ckpt: dict, report: dict, arrow_dir: Path, metrics_path: Path) ->
     meta = json.loads((Path(arrow_dir) / "meta.json").read_text())
     metrics = json.loads(Path(metrics_path).read_text()) if Path(metrics_path).is_file() else None
     params = ckpt.get("params", {})
+    masks = bool(report.get("masks"))
+    ts_masks = ", `masks` `float32 (N, 1, H, W)` mask probabilities in [0, 1] at input pixels (> 0.5: in the " \
+               "mask)" if masks else ""
+    onnx_masks = ", `masks` `float32 (N, 1, H, W)` mask probabilities in [0, 1] at input pixels (> 0.5: in the " \
+                 "mask)" if masks else ""
     lines = [f"# Model card: {ckpt['config']['name']}", "",
              f"- Trained for {ckpt.get('iters')} iterations{' (EMA weights)' if ckpt.get('ema') else ''}; "
              f"{meta['num_classes'] - 1} classes + background (labels 1..{meta['num_classes'] - 1}).",
@@ -112,8 +121,12 @@ def model_card(ckpt: dict, report: dict, arrow_dir: Path, metrics_path: Path) ->
              f"`{folder_sha256(Path(arrow_dir))}`; train {meta['splits']['train']['images']} images, "
              f"val {meta['splits']['val']['images']} images.",
              f"- Model builder kwargs: `{json.dumps(ckpt['config'].get('kwargs', {}))}`", "",
-             "## Metrics (COCO bbox on val, pycocotools COCOeval)", ""]
-    if metrics:
+             f"## Metrics (COCO {'bbox and segm' if metrics and 'segm' in metrics else 'bbox'} on val, "
+             "pycocotools COCOeval)", ""]
+    if metrics and "segm" in metrics:
+        lines += ["| stat | bbox | segm |", "|---|---|---|"] + [
+            f"| {k} | {v:.4f} | {metrics['segm'][k]:.4f} |" for k, v in metrics["bbox"].items()]
+    elif metrics:
         lines += ["| stat | value |", "|---|---|"] + [f"| {k} | {v:.4f} |" for k, v in metrics["bbox"].items()]
     else:
         lines += [f"(no {metrics_path} yet: run the evaluate stage)"]
@@ -122,13 +135,14 @@ def model_card(ckpt: dict, report: dict, arrow_dir: Path, metrics_path: Path) ->
               "| file | input | output |", "|---|---|---|",
               "| `model.ts` (TorchScript) | `list[Tensor]`, each `float32 (3, H, W)` RGB in [0, 1] | "
               "`(losses, detections)`; `detections[i]`: `boxes` `float32 (N, 4)` XYXY input pixels, `scores` "
-              "`float32 (N,)`, `labels` `int64 (N,)` |",
+              f"`float32 (N,)`, `labels` `int64 (N,)`{ts_masks} |",
               f"| `model.onnx` (opset {report['opset']}) | `image`: `float32 (3, H, W)` RGB in [0, 1], H and W "
               "dynamic | `boxes` `float32 (N, 4)` XYXY input pixels, `scores` `float32 (N,)`, `labels` "
-              "`int64 (N,)` |", "",
+              f"`int64 (N,)`{onnx_masks} |", "",
               f"Parity with the eager model on {report['images']} val images (detections with score ≥ "
               f"{report['score_threshold']} matched with the same label and IoU ≥ {report['iou_match']}): "
-              f"TorchScript {report['torchscript']['match']:.3f}, ONNX {report['onnx']['match']:.3f}.",
+              f"TorchScript {report['torchscript']['match']:.3f}, ONNX {report['onnx']['match']:.3f}"
+              f"{' (boxes; masks are not compared)' if masks else ''}.",
               "Labels map to COCO category ids via `category_id_to_label` in `data/arrow/meta.json`:",
               "", "```json", json.dumps(meta["label_names"]), "```", "",
               "## Run", "", "```python", "import torch", "from PIL import Image",
@@ -140,7 +154,7 @@ def model_card(ckpt: dict, report: dict, arrow_dir: Path, metrics_path: Path) ->
               "```python", "import numpy as np, onnxruntime as ort", "from PIL import Image",
               "image = np.asarray(Image.open('image.jpg').convert('RGB'), np.float32).transpose(2, 0, 1) / 255",
               "session = ort.InferenceSession('models/model.onnx', providers=['CPUExecutionProvider'])",
-              "boxes, scores, labels = session.run(None, {'image': image})", "```", ""]
+              f"boxes, scores, labels{', masks' if masks else ''} = session.run(None, {{'image': image}})", "```", ""]
     return "\n".join(lines)
 
 
@@ -155,6 +169,7 @@ def export(cfg: params_mod.Export, model_path: Path = MODEL, cache_dir: Path = C
     import onnxruntime as ort
 
     model, ckpt = load_model(model_path)
+    with_masks = uses_masks(model)
     dataset = CachedDetectionDataset(cache_dir, "val")
     images = [dataset[i][0] for i in range(min(cfg.num_images, len(dataset)))]
     if not images:
@@ -173,19 +188,22 @@ def export(cfg: params_mod.Export, model_path: Path = MODEL, cache_dir: Path = C
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            torch.onnx.export(_OnnxWrapper(model).eval(), (images[0],), str(onnx_path), opset_version=cfg.opset,
-                              dynamo=False, input_names=["image"], output_names=["boxes", "scores", "labels"],
-                              dynamic_axes={"image": {1: "height", 2: "width"}, "boxes": {0: "n"},
-                                            "scores": {0: "n"}, "labels": {0: "n"}})
+            outputs = ["boxes", "scores", "labels"] + (["masks"] if with_masks else [])
+            axes = {"image": {1: "height", 2: "width"}, "boxes": {0: "n"}, "scores": {0: "n"}, "labels": {0: "n"}}
+            if with_masks:
+                axes["masks"] = {0: "n", 2: "height", 3: "width"}
+            torch.onnx.export(_OnnxWrapper(model, with_masks).eval(), (images[0],), str(onnx_path),
+                              opset_version=cfg.opset, dynamo=False, input_names=["image"], output_names=outputs,
+                              dynamic_axes=axes)
         session = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
         onnx_out = []
         for im in images:
-            b, s, lab = session.run(None, {"image": im.numpy()})
+            b, s, lab = session.run(None, {"image": im.numpy()})[:3]
             onnx_out.append({"boxes": torch.from_numpy(b), "scores": torch.from_numpy(s),
                              "labels": torch.from_numpy(lab.astype(np.int64))})
 
         report = {"images": len(images), "score_threshold": cfg.score_threshold, "iou_match": cfg.iou_match,
-                  "min_match": cfg.min_match, "opset": cfg.opset}
+                  "min_match": cfg.min_match, "opset": cfg.opset, "masks": with_masks}
         for name, outs in (("torchscript", ts_out), ("onnx", onnx_out)):
             report[name] = _summarize([match_detections(e, o, cfg.score_threshold, cfg.iou_match)
                                        for e, o in zip(eager, outs)])

@@ -34,7 +34,8 @@ from torch.utils.data import DataLoader
 
 from stages import params as params_mod
 from stages.common import StageError, run_stage
-from stages.data import CachedDetectionDataset, ResumableDistributedSampler, collate, read_meta
+from stages.data import (CachedDetectionDataset, ResumableDistributedSampler, check_cache_masks, collate, read_meta,
+                         uses_masks)
 from stages.hooks import (CheckpointHook, EMAHook, EvalHook, LRScheduleHook, MetricsHook, ProgressHook, Timer,
                           TrainerBase, all_reduce_flag, check_bad_steps, list_checkpoints, rng_state, save_atomic,
                           set_rng_state)
@@ -111,7 +112,7 @@ class Trainer(TrainerBase):
         # channels_last applies to the model's weights (set in build_trainer): the model's transform batches these
         # 3-D images into one 4-D tensor, and its convolutions then run channels-last.
         images = [im.to(self.device, non_blocking=True) for im in images]
-        targets = [{"boxes": t["boxes"].to(self.device), "labels": t["labels"].to(self.device)} for t in targets]
+        targets = [{k: t[k].to(self.device) for k in ("boxes", "labels", "masks") if k in t} for t in targets]
         with torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32,
                             enabled=self.amp_dtype is not None):
             loss_dict = self.model(images, targets)
@@ -315,6 +316,9 @@ def build_trainer(cfg: params_mod.Train, cache_dir: Path = CACHE_DIR, arrow_meta
     cache_meta = json.loads(cache_meta_bytes)
     config = model_config(cfg.model, int(meta["num_classes"]), **model_kwargs(cfg.model, cache_meta))
     model = build_from_config(config)
+    with_masks = uses_masks(model)  # Mask R-CNN: targets carry the cached instance masks
+    if with_masks:
+        check_cache_masks(cache_meta, cfg.model, f"{cache_root.split('?')[0]}/meta.json")
     if cfg.weights:
         load_weights(model, cfg.weights, cfg.weights_sha256)
     model.to(device).train()
@@ -325,7 +329,7 @@ def build_trainer(cfg: params_mod.Train, cache_dir: Path = CACHE_DIR, arrow_meta
         lr = cfg.lr * cfg.batch_size * world * cfg.accumulate / cfg.base_batch_size
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-    dataset = CachedDetectionDataset(cache_root, "train", hflip=cfg.hflip, seed=cfg.seed)
+    dataset = CachedDetectionDataset(cache_root, "train", hflip=cfg.hflip, seed=cfg.seed, with_masks=with_masks)
     trainer = Trainer(model, optimizer, dataset, cfg, device, rank, world)
     if cfg.compile:
         trainer.model = torch.compile(trainer.model)
@@ -429,8 +433,9 @@ def make_eval_fn(cache_dir: str | Path, arrow_meta: Path):
     dataset = CachedDetectionDataset(cache_dir, "val")
     l2c = label_to_category_id(meta)
 
-    def eval_fn(model):
-        return coco_evaluate(gt, predict(model, dataset, l2c, device=next(model.parameters()).device)).stats
+    def eval_fn(model):  # bbox stats only: a mask model's masks are not encoded here
+        return coco_evaluate(gt, predict(model, dataset, l2c, device=next(model.parameters()).device,
+                                         masks=False)).stats
 
     return eval_fn
 
@@ -438,8 +443,11 @@ def make_eval_fn(cache_dir: str | Path, arrow_meta: Path):
 def check_inputs(cfg: params_mod.Train) -> None:
     """Fail fast, before launching workers, on problems every worker would hit (one-line StageError)."""
     meta = read_meta(ARROW_META)
-    cache_meta = json.loads(read_cache_meta_bytes(cfg.cache_url or str(CACHE_DIR)))
-    build_from_config(model_config(cfg.model, int(meta["num_classes"]), **model_kwargs(cfg.model, cache_meta)))
+    cache_root = cfg.cache_url or str(CACHE_DIR)
+    cache_meta = json.loads(read_cache_meta_bytes(cache_root))
+    model = build_from_config(model_config(cfg.model, int(meta["num_classes"]), **model_kwargs(cfg.model, cache_meta)))
+    if uses_masks(model):
+        check_cache_masks(cache_meta, cfg.model, f"{cache_root.split('?')[0]}/meta.json")
     if cfg.weights and "://" not in cfg.weights and not Path(cfg.weights).exists() and \
             ("/" in cfg.weights or cfg.weights.endswith((".pt", ".pth"))):
         raise StageError(f"params.yaml: key 'train.weights': file '{cfg.weights}' not found")
