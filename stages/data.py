@@ -259,7 +259,11 @@ class CachedDetectionDataset(Dataset):
         Raises:
             StageError: the row has no masks (an object without segmentation) or the shard has no masks column.
         """
-        r = self.row(i)
+        return np.ascontiguousarray(self._masks_view(self.row(i), record))
+
+    def _masks_view(self, r: int, record: pa.RecordBatch | None = None) -> np.ndarray:
+        """`masks` of index row ``r`` as a strided ``(N, H, W)`` view of pycocotools' column-major output (the
+        caller makes its one contiguous copy)."""
         h, w = (int(v) for v in self._hw[r])
         record = record if record is not None else self._record(r)
         where = f"{self._split_dir}/{self._shard_names[self._shard[r]]}"
@@ -273,7 +277,7 @@ class CachedDetectionDataset(Dataset):
         if n == 0:
             return np.zeros((0, h, w), dtype=np.uint8)
         decoded = mask_utils.decode([{"size": [h, w], "counts": c} for c in counts])  # (h, w, n), column-major
-        return np.ascontiguousarray(decoded.transpose(2, 0, 1))
+        return decoded.transpose(2, 0, 1)
 
     def __getitem__(self, i: int):
         return self._sample(i)
@@ -319,7 +323,7 @@ class CachedDetectionDataset(Dataset):
         record = self._record(r)
         u8 = self.pixels(i, record)
         boxes = self._boxes[self._box_off[r]:self._box_off[r + 1]]
-        masks = self.masks(i, record) if self.with_masks else None
+        masks = self._masks_view(r, record) if self.with_masks else None
         if self.flipped(i):
             u8 = u8.flip(-1)  # flip uint8 (cheap), before the float conversion
             w = float(self._hw[r, 1])
@@ -353,7 +357,7 @@ class CachedDetectionDataset(Dataset):
             if masks_out is None:
                 target["masks"] = torch.from_numpy(np.ascontiguousarray(masks))
             else:
-                masks_out.copy_(torch.from_numpy(np.ascontiguousarray(masks)))
+                masks_out.numpy()[...] = masks  # one strided copy (numpy takes the flip's negative strides)
                 target["masks"] = masks_out
         return image, target
 
