@@ -2,7 +2,7 @@
 
 ``python -m stages.augment`` reads ``data/arrow/{train,val}/*.arrow`` (see `stages.convert` for that schema)
 and writes, per split, ``data/cache/<split>/part-NNNNN.arrow`` (pixels) and ``data/cache/<split>/index.arrow``
-(everything but the pixels), plus ``data/cache/meta.json``. The expensive, deterministic work (decode, EXIF
+(everything but the pixels and masks), plus ``data/cache/meta.json``. The expensive, deterministic work (decode, EXIF
 orientation, RGB conversion, resize) is done here once; cheap random augmentation (horizontal flip) is applied
 at load time by `stages.data.CachedDetectionDataset`.
 
@@ -10,8 +10,8 @@ Cache layout (Arrow IPC *file* format, uncompressed, so shards can be memory-map
 
 * ``part-NNNNN.arrow``: `CACHE_SCHEMA`, **one record batch per row** (so a single image can be read from
   object storage with one ranged read), at most ~`SHARD_BYTES` pixel bytes per shard.
-* ``index.arrow``: `INDEX_SCHEMA` = `CACHE_SCHEMA` without ``pixels``, plus ``shard`` (file name) and
-  ``batch`` (record batch number inside that shard). The loader reads only this file at start-up.
+* ``index.arrow``: `INDEX_SCHEMA` = `CACHE_SCHEMA` without ``pixels`` and ``masks``, plus ``has_masks``, ``shard``
+  (file name) and ``batch`` (record batch number inside that shard). The loader reads only this file at start-up.
 
 ============== ================================= ==========================================================
 column         type                              meaning
@@ -73,7 +73,8 @@ before the final resize: ``RandomPhotometricDistort()``, ``RandomZoomOut(fill=(1
 ``RandomIoUCrop()``, ``SanitizeBoundingBoxes()`` (torchvision.transforms.v2; an image without boxes gets no IoU
 crop, which needs boxes to aim at). Boxes removed by the crop are counted as ``crop_dropped``. Zoom-out and
 IoU crop only translate the image (by whole pixels) and change its canvas, so masks follow them exactly through the
-recorded offset (see Masks above), and an object removed by ``SanitizeBoundingBoxes`` loses its mask too. The loader picks variant ``(epoch + seed) mod K`` and flips at load time.
+recorded offset (see Masks above), and an object removed by ``SanitizeBoundingBoxes`` loses its mask too. The
+loader picks variant ``(epoch + seed) mod K`` and flips at load time.
 """
 from __future__ import annotations
 

@@ -6,8 +6,8 @@ detection models do) and ``models/model.onnx`` (opset ``export.opset``, ``torch.
 input ``image`` ``float32 (3, H, W)`` in [0, 1] with dynamic H and W, outputs ``boxes`` ``float32 (N, 4)``
 XYXY pixels of the input, ``scores`` ``float32 (N,)``, ``labels`` ``int64 (N,)``; mask models (Mask R-CNN) also
 ``masks`` ``float32 (N, 1, H, W)``, each detection's mask probability in [0, 1] at the input's pixels, threshold at
-0.5 for a binary mask), ``models/export_report.json`` and ``models/model_card.md`` (dataset hash, training params, metrics, the
-input/output spec of each file and a snippet to run it).
+0.5 for a binary mask), ``models/export_report.json`` and ``models/model_card.md`` (dataset hash, training params,
+metrics, the input/output spec of each file and a snippet to run it).
 
 Parity check, on ``export.num_images`` val images: every eager detection with score ≥
 ``export.score_threshold`` must be matched in the exported model's output by a detection with the same label

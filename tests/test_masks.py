@@ -238,7 +238,8 @@ def test_box_models_do_not_get_masks(mask_workdir, nomask_workdir):
         CachedDetectionDataset(nomask_workdir / "data/cache", "train", with_masks=True)
     assert "without an instance mask" in str(e.value) and "rule:" in str(e.value) and "\n" not in str(e.value)
     from stages.models import build_model
-    assert uses_masks(build_model("maskrcnn_resnet50_fpn", 3)) and not uses_masks(build_model("fasterrcnn_resnet50_fpn", 3))
+    assert uses_masks(build_model("maskrcnn_resnet50_fpn", 3))
+    assert not uses_masks(build_model("fasterrcnn_resnet50_fpn", 3))
 
 
 def test_mask_model_on_data_without_masks_is_a_one_line_error(nomask_workdir, tmp_path):
