@@ -40,6 +40,7 @@ log = logging.getLogger("stages.export")
 
 MODELS_DIR = Path("models")
 SCORE_TOL = 1e-5
+BOX_TOL = 0.01  # pixels
 
 
 def match_detections(ref: dict, other: dict, score_threshold: float, iou_match: float) -> dict:
@@ -47,7 +48,8 @@ def match_detections(ref: dict, other: dict, score_threshold: float, iou_match: 
 
     Both are dicts of ``boxes`` ``(N, 4)`` XYXY pixels, ``scores`` ``(N,)``, ``labels`` ``(N,)`` tensors.
     An eager detection is matched by the other detection of the same label with the highest IoU, if that
-    IoU ≥ ``iou_match``. An unmatched one is *at the truncation boundary* when the other output is full
+    IoU ≥ ``iou_match`` (a box whose coordinates all agree within `BOX_TOL` pixels counts as IoU 1, so that
+    zero-area boxes clipped at the image border match). An unmatched one is *at the truncation boundary* when the other output is full
     (as many detections as the eager one) and its score is within `SCORE_TOL` of the lowest score the other
     kept: which of several near-equal candidates survive top-k is float noise (typical of a barely trained
     model, whose scores are all ≈ 1/num_classes), not a disagreement; those are counted apart and left out.
@@ -63,7 +65,11 @@ def match_detections(ref: dict, other: dict, score_threshold: float, iou_match: 
     ok = torch.zeros(len(rb), dtype=torch.bool)
     idx = torch.zeros(len(rb), dtype=torch.long)
     if len(ob):
-        iou = box_iou(rb.float(), ob.float())
+        # boxes clipped flat at the image border have zero area: their IoU is NaN even with themselves, so
+        # coordinates equal within BOX_TOL pixels also count as a match
+        iou = box_iou(rb.float(), ob.float()).nan_to_num(0.0)
+        same = torch.cdist(rb.float(), ob.float(), p=float("inf")) <= BOX_TOL
+        iou = torch.where(same, torch.ones_like(iou), iou)
         iou[rl[:, None] != ol[None, :]] = -1.0
         best, idx = iou.max(dim=1)
         ok = best >= iou_match

@@ -96,6 +96,15 @@ def test_match_detections_detects_disagreement():
                                                          "max_box_diff": 0.0, "max_score_diff": 0.0}
 
 
+def test_zero_area_boxes_match_themselves():
+    """Boxes clipped flat at the image border have zero area (IoU NaN): equal coordinates still match."""
+    ref = {"boxes": torch.tensor([[320., 10, 320, 50], [0, 0, 10, 10]]), "scores": torch.tensor([0.9, 0.8]),
+           "labels": torch.tensor([1, 1])}
+    assert match_detections(ref, ref, 0.5, 0.99)["matched"] == 2
+    moved = {**ref, "boxes": torch.tensor([[318., 10, 318, 50], [0, 0, 10, 10]])}
+    assert match_detections(ref, moved, 0.5, 0.99)["matched"] == 1
+
+
 def test_truncation_boundary_is_not_a_disagreement():
     """A full output that kept another of two near-equal candidates is not counted against parity, but a
     missing detection scoring clearly above the other's lowest kept score is."""
