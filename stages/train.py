@@ -73,8 +73,9 @@ class Trainer(TrainerBase):
         self.cfg, self.device, self.rank, self.world_size = cfg, device, rank, world_size
         self.distributed = world_size > 1
         self.module = model
-        self.model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None) \
-            if self.distributed else model
+        # gradient_as_bucket_view: gradients live in the all-reduce buckets (no copy in and out per step)
+        self.model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                             gradient_as_bucket_view=True) if self.distributed else model
         self.optimizer = optimizer
         self.dataset = dataset
         self.sampler = ResumableDistributedSampler(len(dataset), world_size, rank, seed=cfg.seed)
