@@ -89,3 +89,29 @@ def trained_workdir(tmp_path_factory, cached_workdir) -> Path:
     shutil.copytree(cached_workdir, work, dirs_exist_ok=True)
     run_stage("train", work)
     return work
+
+
+def recalibrated_model(work: Path):
+    """Load ``work/models/model.pt`` and recalibrate its BatchNorm statistics on the training cache (cumulative
+    average over all images). After a few tiny training steps the running statistics are still near their initial
+    values, so outputs barely depend on the image; tests that need image-dependent, well-separated scores (export
+    parity) start from this and sharpen the logits. Returns ``(model in eval mode, checkpoint dict)``."""
+    import torch
+    from stages.data import CachedDetectionDataset
+    from stages.models import build_from_config
+
+    ckpt = torch.load(work / "models/model.pt", weights_only=True)
+    model = build_from_config(ckpt["config"])
+    model.load_state_dict(ckpt["model"])
+    model.eval()
+    bns = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    for m in bns:
+        m.reset_running_stats()
+        m.momentum = None
+        m.train()
+    train = CachedDetectionDataset(work / "data/cache", "train")
+    with torch.no_grad():
+        model([train[i][0] for i in range(len(train))])
+    for m in bns:
+        m.eval()
+    return model, ckpt

@@ -9,7 +9,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from conftest import run_stage
+from conftest import recalibrated_model, run_stage
 from stages.common import StageError
 from stages.data import CachedDetectionDataset
 from stages.export import match_detections
@@ -26,19 +26,8 @@ def confident_workdir(trained_workdir, tmp_path_factory):
     """
     work = tmp_path_factory.mktemp("confident")
     shutil.copytree(trained_workdir, work, dirs_exist_ok=True)
-    ckpt = torch.load(work / "models/model.pt", weights_only=True)
-    from stages.models import build_from_config
-    model = build_from_config(ckpt["config"])
-    model.load_state_dict(ckpt["model"])
-    model.eval()
-    bns = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
-    for m in bns:
-        m.reset_running_stats()
-        m.momentum = None
-        m.train()
-    train = CachedDetectionDataset(work / "data/cache", "train")
+    model, ckpt = recalibrated_model(work)
     with torch.no_grad():
-        model([train[i][0] for i in range(len(train))])
         for m in model.head.classification_head.module_list:
             last = [c for c in m.modules() if isinstance(c, torch.nn.Conv2d)][-1]
             last.weight.mul_(2)

@@ -14,7 +14,7 @@ import torch
 from pycocotools import mask as mask_utils
 from torchvision.transforms.v2 import functional as TF
 
-from conftest import make_coco_subset, run_stage, write_params
+from conftest import make_coco_subset, recalibrated_model, run_stage, write_params
 from stages import params as params_mod
 from stages.augment import build_cache
 from stages.cocoeval import coco_evaluate
@@ -327,19 +327,8 @@ def _confident(work: Path) -> None:
     """Make the barely trained Mask R-CNN's outputs depend on the image and its scores well separated (a cheap
     stand-in for a trained model): BatchNorm statistics recalibrated on the training images, RPN objectness and
     class logits scaled x10, background logit bias -100 (else background wins every box)."""
-    from stages.models import build_from_config
-    ckpt = torch.load(work / "models/model.pt", weights_only=True)
-    model = build_from_config(ckpt["config"])
-    model.load_state_dict(ckpt["model"])
-    model.eval()
-    bns = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
-    for m in bns:
-        m.reset_running_stats()
-        m.momentum = None
-        m.train()
-    train = CachedDetectionDataset(work / "data/cache", "train")
+    model, ckpt = recalibrated_model(work)
     with torch.no_grad():
-        model([train[i][0] for i in range(len(train))])
         for conv in (model.roi_heads.box_predictor.cls_score, model.rpn.head.cls_logits):
             conv.weight.mul_(10)
             conv.bias.mul_(10)
