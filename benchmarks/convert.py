@@ -28,7 +28,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from stages.params import Convert, load  # noqa: E402
+from detpipe.params import Convert, load  # noqa: E402
 
 COCO128 = REPO / "data" / "coco128"
 ANN = "annotations/instances_train2017.json"
@@ -93,7 +93,7 @@ def peak_rss_mb(code: str, *args: str) -> float:
     return int(out.stdout.strip().splitlines()[-1]) / 1024.0
 
 
-CONVERT_CODE = ("import sys, json; from stages.convert import convert; from stages.params import Convert; "
+CONVERT_CODE = ("import sys, json; from stages.convert import convert; from detpipe.params import Convert; "
                 "convert(sys.argv[1], sys.argv[2], Convert(**json.loads(sys.argv[3])), progress=False)")
 JSON_ONLY_CODE = ("import sys, json; from pathlib import Path; import stages.convert as c; "
                   "p = Path(sys.argv[1]) / 'annotations/instances_train2017.json'; d, _ = c._load_json(p); "

@@ -18,9 +18,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from benchmarks._workdir import cached_workdir
-from stages import params as params_mod
-from stages.data import ResumableDistributedSampler, collate
-from stages.hooks import HookBase
+from detpipe import params as params_mod
+from detpipe.data import ResumableDistributedSampler, collate
+from detpipe.hooks import HookBase
 
 
 class _StepClock(HookBase):
@@ -60,8 +60,8 @@ class _Closer(HookBase):
 
 
 def bare(cfg: params_mod.Train, work: Path, iters: int, warmup: int) -> float:
-    from stages.data import CachedDetectionDataset
-    from stages.models import build_from_config, model_config
+    from detpipe.data import CachedDetectionDataset
+    from detpipe.models import build_from_config, model_config
     import json
 
     torch.manual_seed(cfg.seed)

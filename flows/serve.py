@@ -8,7 +8,7 @@ Trigger a run with ``prefect deployment run train/main --params '{"overrides": {
 ``process`` pool if missing) and exits; ``prefect worker start --pool POOL`` on each machine then runs it.
 
 The deployment's parameter schema lists every params.yaml key as an optional property of ``overrides``, with
-its type and bounds from `stages.params`, so the Prefect server rejects an unknown key or a bad value when the
+its type and bounds from `detpipe.params`, so the Prefect server rejects an unknown key or a bad value when the
 run is created (``enforce_parameter_schema``), and the UI shows the keys; defaults stay in params.yaml.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import asyncio
 import copy
 import sys
 
-from stages import params as params_mod
+from detpipe import params as params_mod
 
 from flows.train import DEFAULT_REPO, REPO_ENV, train
 
@@ -27,7 +27,7 @@ ENTRYPOINT = "flows/train.py:train"
 
 def overrides_schema() -> dict:
     """JSON schema of the ``overrides`` parameter: an object whose optional properties are the dotted
-    params.yaml keys (``"train.lr"``) with `stages.params.Params`' per-key schema (type, bounds, enums; no
+    params.yaml keys (``"train.lr"``) with `detpipe.params.Params`' per-key schema (type, bounds, enums; no
     defaults), and no other keys."""
     full = params_mod.Params.model_json_schema()
     defs = full.get("$defs", {})

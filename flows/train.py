@@ -16,7 +16,7 @@ Design (DVC 3.67, Prefect 3.8):
   ``dvc repro`` followed by ``dvc exp save``", with ``-S key=value`` editing params.yaml first
   (https://dvc.org/doc/command-reference/exp/run); the flow does the same steps, split per stage: it writes the
   run's overrides into params.yaml (round-trip YAML: comments kept; the result is validated by
-  ``stages.params`` before anything runs), runs the stage tasks, then ``dvc exp save --name <run> --force``. Like
+  ``detpipe.params`` before anything runs), runs the stage tasks, then ``dvc exp save --name <run> --force``. Like
   ``dvc exp run``, the saved experiment includes the pipeline's untracked git-side files (``cache: false``
   metrics and plots, DVC's ``.gitignore`` files), which ``dvc exp save`` only takes with
   ``--include-untracked``. Rejected: ``dvc exp run <stage> -S ...`` per task (one experiment per stage, name
@@ -39,7 +39,6 @@ Design (DVC 3.67, Prefect 3.8):
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
 import datetime as dt
 import json
@@ -60,8 +59,9 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
-from stages import params as params_mod
-from stages.common import StageError, atomic_write_bytes
+from detpipe import params as params_mod
+from detpipe.errors import StageError
+from detpipe.io import atomic_write_bytes
 
 STAGES = ("download", "convert", "augment", "train", "evaluate", "export")
 DEFAULT_REPO = Path(__file__).resolve().parent.parent
@@ -192,7 +192,7 @@ def normalize_overrides(overrides: dict[str, Any] | None) -> dict[str, Any]:
 
     Raises:
         FlowError: a key that is not ``section.key`` for a section and key of params.yaml's schema
-            (`stages.params.Params`).
+            (`detpipe.params.Params`).
     """
     flat: dict[str, Any] = {}
     for key, value in (overrides or {}).items():
@@ -222,7 +222,7 @@ def _yaml_rt():
 
 def apply_overrides(params_file: Path, overrides: dict[str, Any]) -> bytes:
     """Write ``overrides`` (``{"section.key": value}``) into ``params_file``, keeping its comments, after
-    checking that the result passes `stages.params.load`. Returns the file's previous bytes.
+    checking that the result passes `detpipe.params.load`. Returns the file's previous bytes.
 
     Raises:
         FlowError: the overridden params break the schema (the message names the key and value); the file is

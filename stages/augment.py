@@ -4,7 +4,7 @@
 and writes, per split, ``data/cache/<split>/part-NNNNN.arrow`` (pixels) and ``data/cache/<split>/index.arrow``
 (everything but the pixels and masks), plus ``data/cache/meta.json``. The expensive, deterministic work (decode, EXIF
 orientation, RGB conversion, resize) is done here once; cheap random augmentation (horizontal flip) is applied
-at load time by `stages.data.CachedDetectionDataset`.
+at load time by `detpipe.data.CachedDetectionDataset`.
 
 Cache layout (Arrow IPC *file* format, uncompressed, so shards can be memory-mapped or read by byte range):
 
@@ -81,10 +81,8 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections import deque
-from concurrent.futures import Executor, Future, ProcessPoolExecutor
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -96,14 +94,15 @@ from torchvision.transforms import v2 as T
 from torchvision.transforms.v2 import functional as TF
 from tqdm import tqdm
 
-from stages import params as params_mod
-from stages.common import StageError, atomic_dir, atomic_write_json, run_stage
-from stages.imageio import decode_rgb
+from detpipe import params as params_mod
+from detpipe.errors import StageError, run_stage
+from detpipe.paths import ARROW_DIR, CACHE_DIR
+from detpipe.pool import bounded_map, process_pool
+from detpipe.io import atomic_dir, atomic_write_json
+from detpipe.imageio import decode_rgb
 
 log = logging.getLogger("stages.augment")
 
-ARROW_DIR = Path("data/arrow")
-CACHE_DIR = Path("data/cache")
 SPLITS = ("train", "val")
 SHARD_BYTES = 256 << 20  # pixel bytes per output shard
 INDEX_FILE = "index.arrow"
@@ -406,21 +405,6 @@ def _process_batch(args: tuple[list[dict], params_mod.Augment, int]) -> list[tup
     return [process_image(r, cfg, copies) for r in rows]
 
 
-def bounded_map(pool: Executor | None, fn: Callable, items: Iterable, window: int) -> Iterator:
-    """Like ``map(fn, items)`` in order, on ``pool`` if given, with at most ``window`` tasks in flight, so
-    memory stays bounded however long ``items`` is (``Executor.map`` submits every item at once)."""
-    if pool is None:
-        yield from map(fn, items)
-        return
-    pending: deque[Future] = deque()
-    for item in items:
-        pending.append(pool.submit(fn, item))
-        if len(pending) >= max(1, window):
-            yield pending.popleft().result()
-    while pending:
-        yield pending.popleft().result()
-
-
 def _iter_source_batches(split_dir: Path, rows_per_task: int = 8) -> Iterator[list[dict]]:
     """Yield lists of converted rows (only the columns augment reads), shard by shard, in file order."""
     cols = ["image_id", "file_name", "image", "bbox", "label", "iscrowd"]
@@ -502,8 +486,7 @@ def build_cache(arrow_dir: Path, cache_dir: Path, cfg: params_mod.Augment) -> di
             "index": INDEX_FILE, "splits": {}}
     workers = max(0, cfg.workers)
     with atomic_dir(cache_dir) as tmp:
-        pool = ProcessPoolExecutor(workers) if workers else None
-        try:
+        with process_pool(workers) as pool:
             for split in SPLITS:
                 split_dir = Path(arrow_dir) / split
                 if not split_dir.is_dir():
@@ -532,9 +515,6 @@ def build_cache(arrow_dir: Path, cache_dir: Path, cfg: params_mod.Augment) -> di
                 writer.write_index(tmp / split / INDEX_FILE)
                 meta["splits"][split] = {**counts, "copies": copies, "shards": writer.shards}
                 log.info("%s: %s", split, counts)
-        finally:
-            if pool:
-                pool.shutdown(cancel_futures=True)
         splits = meta["splits"].values()
         meta["masks"] = all(c["rows_without_masks"] == 0 for c in splits) and sum(c["masks"] for c in splits) > 0
         atomic_write_json(tmp / "meta.json", meta)

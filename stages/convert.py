@@ -18,7 +18,7 @@ column             Arrow type                          meaning
 =================  ==================================  ==================================================
 ``image_id``       int64                               COCO image id (full int64 range survives)
 ``file_name``      string                              as in the JSON (relative to the image folder)
-``width``          int32                               pixels, of the image as `stages.imageio.decode_rgb`
+``width``          int32                               pixels, of the image as `detpipe.imageio.decode_rgb`
 ``height``         int32                               returns it (i.e. after EXIF orientation)
 ``image``          binary                              the original encoded file bytes, unmodified
 ``ann_id``         list<int64>                         COCO annotation ids
@@ -108,31 +108,29 @@ worker process reads, validates and writes itself (``workers``; 0 = in this proc
 """
 from __future__ import annotations
 
-import concurrent.futures as cf
-import contextlib
 import dataclasses
 import io
 import json
 import math
-import multiprocessing as mp
 import os
 import re
 import time
 import warnings
 from pathlib import Path, PurePosixPath
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import orjson
 import pyarrow as pa
-from PIL import Image, ImageOps
+from PIL import Image
 
-from stages.common import StageError, atomic_dir, log, run_stage
-from stages.imageio import decode_rgb
-from stages.params import Convert, load
+from detpipe.errors import StageError, log, run_stage
+from detpipe.io import atomic_dir
+from detpipe.imageio import decode_rgb
+from detpipe.pool import bounded_map, process_pool
+from detpipe.paths import ARROW_DIR as OUT_DIR, RAW_DIR
+from detpipe.params import Convert, load
 
-RAW_DIR = Path("data/raw")
-OUT_DIR = Path("data/arrow")
 
 SCHEMA = pa.schema(
     [
@@ -330,7 +328,7 @@ def inspect_image(data: bytes, source: str = "<bytes>") -> ImageInfo:
     """Check that encoded image bytes decode, and read their size, EXIF orientation and colour mode.
 
     JPEG is decoded at 1/8 scale (``PIL.Image.draft``; entropy decoding of all blocks unchanged), other
-    formats in full with `stages.imageio.decode_rgb`.
+    formats in full with `detpipe.imageio.decode_rgb`.
 
     Args:
         data: the file's bytes.
@@ -823,46 +821,6 @@ def _plan(split: str, entries: list[_Entry], images_dir: Path, out_dir: Path, an
         yield task()
 
 
-@contextlib.contextmanager
-def _pool(workers: int) -> Iterator[cf.ProcessPoolExecutor | None]:
-    """A process pool whose workers are forked right away, while this process is small (before the JSON is
-    loaded), so they do not share or copy it. ``workers == 0``: None (run in process)."""
-    if workers == 0:
-        yield None
-        return
-    ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else None
-    with cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as ex:
-        ex.submit(int).result()
-        yield ex
-
-
-def _run(tasks: Iterator[_Task], pool: cf.ProcessPoolExecutor | None, window: int,
-         on_result: Callable[[_Result], None]) -> None:
-    """Run tasks with at most ``window`` in flight; on failure wait for the running ones before re-raising
-    (so nothing is still writing when the temporary output folder is removed)."""
-    if pool is None:
-        for t in tasks:
-            on_result(_convert_shard(t))
-        return
-    pending: set[cf.Future] = set()
-    try:
-        for t in tasks:
-            while len(pending) >= window:
-                done, pending = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
-                for f in done:
-                    on_result(f.result())
-            pending.add(pool.submit(_convert_shard, t))
-        while pending:
-            done, pending = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
-            for f in done:
-                on_result(f.result())
-    except BaseException:
-        for f in pending:
-            f.cancel()
-        cf.wait(pending)
-        raise
-
-
 # ----------------------------------------------------------------------------------------------- stage
 
 
@@ -884,7 +842,7 @@ def convert(raw_root: Path | str, out_dir: Path | str, params: Convert, *, progr
 
     raw_root, out_dir = Path(raw_root), Path(out_dir)
     t0 = time.perf_counter()
-    with _pool(params.workers) as pool:
+    with process_pool(params.workers) as pool:
         train_file = raw_root / params.annotations
         data, fast = _load_json(train_file)
         _check_coco(data, train_file)
@@ -935,11 +893,9 @@ def convert(raw_root: Path | str, out_dir: Path | str, params: Convert, *, progr
                 for split, (entries, img_dir, ann_file, fast_json) in sources.items():
                     yield from _plan(split, entries, img_dir, tmp, ann_file, fast_json, labels, params)
 
-            def on_result(r: _Result) -> None:
+            for r in bounded_map(pool, _convert_shard, tasks(), 2 * max(1, params.workers), ordered=False):
                 results.append(r)
                 bar.update(r.images)
-
-            _run(tasks(), pool, 2 * max(1, params.workers), on_result)
 
             results.sort(key=lambda r: (list(sources).index(r.split), r.index))
             splits: dict[str, dict] = {}

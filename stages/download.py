@@ -19,13 +19,12 @@ Integrity: ``download.sha256`` is the hex sha256 of the fetched file (for an arc
 extraction), or for a folder of its manifest, see `folder_sha256`. The computed hash is always logged;
 ``python -m stages.download --print-sha256 <path-or-url>`` prints it so it can be pasted into params.yaml.
 
-The output is written with `stages.common.atomic_dir`: on any failure (bad hash, unsafe archive entry,
+The output is written with `detpipe.io.atomic_dir`: on any failure (bad hash, unsafe archive entry,
 HTTP error, interrupt) ``data/raw`` keeps its previous content, or stays absent.
 """
 from __future__ import annotations
 
 import argparse
-import hashlib
 import logging
 import os
 import posixpath
@@ -39,11 +38,12 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional, TypeVar
 from urllib.parse import unquote, urlsplit, urlunsplit
 
-from stages.common import StageError, atomic_dir, run_stage, sha256_file
+from detpipe.errors import StageError, run_stage
+from detpipe.paths import RAW_DIR
+from detpipe.io import atomic_dir, folder_sha256, iter_files, sha256_file
 
 log = logging.getLogger("stages.download")
 
-RAW_DIR = Path("data/raw")
 """Output folder of the stage, relative to the repository root (the current working directory)."""
 
 TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz")
@@ -127,55 +127,6 @@ def _check_relpath(relpath: str, label: str, entry: str) -> None:
         raise StageError(f"{label}: unsafe entry {entry!r}: absolute path; nothing was extracted")
     if ".." in relpath.replace("\\", "/").split("/"):
         raise StageError(f"{label}: unsafe entry {entry!r}: '..' path component; nothing was extracted")
-
-
-def _iter_files(root: Path) -> Iterator[tuple[str, Path]]:
-    """(POSIX relative path, path) of every regular file under ``root`` (symlinks to files are followed,
-    symlinked folders are not entered), in no particular order. Other entries are counted and logged."""
-    skipped = 0
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
-        for name in filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
-            full = Path(dirpath, name)
-            if full.is_file():
-                yield full.relative_to(root).as_posix(), full
-            else:
-                skipped += 1
-                log.warning("%s: skipped (not a regular file)", full)
-    if skipped:
-        log.warning("%s: skipped %d entries that are not regular files", root, skipped)
-
-
-# --------------------------------------------------------------------------------------------- hashing
-
-def folder_sha256(path: Path | str) -> str:
-    """sha256 of a folder's manifest, used to pin a folder source in ``download.sha256``.
-
-    The manifest is the UTF-8 text with one line per regular file under ``path`` (recursively; symlinks to
-    files count as files, symlinked folders and empty folders are ignored), sorted by the file's POSIX
-    relative path (Python string order, i.e. by Unicode code point)::
-
-        <relpath>\\t<hex sha256 of the file's bytes>\\n
-
-    e.g. ``annotations/instances_train2017.json\\t9f2c...\\n``. An empty folder hashes to the sha256 of the
-    empty string. The same value results from any copy of the folder, whatever the file times or modes.
-
-    Returns:
-        the hex digest (64 lower-case characters).
-    Raises:
-        StageError: ``path`` is not a folder, or a file name contains a tab or newline (ambiguous manifest).
-    """
-    root = Path(path)
-    if not root.is_dir():
-        raise StageError(f"{root}: not a folder")
-    lines = []
-    for rel, full in _iter_files(root):
-        if "\t" in rel or "\n" in rel:
-            raise StageError(f"{full}: file name contains a tab or newline; cannot be listed in a manifest")
-        lines.append((rel, sha256_file(full, CHUNK_BYTES)))
-    h = hashlib.sha256()
-    for rel, digest in sorted(lines):
-        h.update(f"{rel}\t{digest}\n".encode("utf-8"))
-    return h.hexdigest()
 
 
 def verify(actual: str, expected: Optional[str], source: str, what: str) -> None:
@@ -498,7 +449,7 @@ def _fetch_folder(fs, path: str, source: str, dest: Path, retries: int, backoff_
     """Copy every file under the folder/prefix ``path`` of ``fs`` into ``dest`` (see `fetch`)."""
     root = path.rstrip("/")
     if _protocol(source) == "file":
-        files = {rel: full.stat().st_size for rel, full in _iter_files(Path(root))}
+        files = {rel: full.stat().st_size for rel, full in iter_files(Path(root))}
         remote = {rel: str(Path(root, rel)) for rel in files}
     else:
         found = _with_retries(lambda: fs.find(root, detail=True), source, retries, backoff_s)
@@ -626,7 +577,7 @@ def download(source: str, out: Path | str = RAW_DIR, *, sha256: Optional[str] = 
 
     A folder is copied to ``out``; an archive is fetched to a temporary file beside ``out``, checked and
     extracted into ``out``; another file is copied to ``out/<its name>``. All of it happens in a temporary
-    folder that replaces ``out`` only at the end (`stages.common.atomic_dir`), so on any error ``out`` keeps
+    folder that replaces ``out`` only at the end (`detpipe.io.atomic_dir`), so on any error ``out`` keeps
     its previous content or stays absent.
 
     Args:
@@ -700,7 +651,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                     help="print the sha256 of a file, or the manifest sha256 of a folder, and exit")
     ap.add_argument("--endpoint-url", default=None, help="S3 endpoint for --print-sha256 (default: params)")
     args = ap.parse_args(argv)
-    from stages.params import PARAMS_FILE, Download, load
+    from detpipe.params import PARAMS_FILE, Download, load
 
     if args.print_sha256:
         p = load("download") if PARAMS_FILE.exists() else Download(source=args.print_sha256)

@@ -30,15 +30,15 @@ import numpy as np
 import torch
 from torchvision.ops import box_iou
 
-from stages import params as params_mod
-from stages.common import StageError, atomic_dir, atomic_write_bytes, atomic_write_json, run_stage
-from stages.data import CachedDetectionDataset, uses_masks
-from stages.download import folder_sha256
-from stages.evaluate import ARROW_DIR, CACHE_DIR, METRICS, MODEL, load_model
+from detpipe import params as params_mod
+from detpipe.errors import StageError, run_stage
+from detpipe.io import atomic_dir, atomic_write_bytes, atomic_write_json, folder_sha256
+from detpipe.data import CachedDetectionDataset, uses_masks
+from detpipe.models import load_model
+from detpipe.paths import ARROW_DIR, CACHE_DIR, METRICS, MODEL, MODELS_DIR
 
 log = logging.getLogger("stages.export")
 
-MODELS_DIR = Path("models")
 SCORE_TOL = 1e-5
 BOX_TOL = 0.01  # pixels
 

@@ -23,7 +23,6 @@ import logging
 import os
 import random
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -32,23 +31,20 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from stages import params as params_mod
-from stages.common import StageError, run_stage
-from stages.data import (CachedDetectionDataset, ResumableDistributedSampler, check_cache_masks, collate, read_meta,
+from detpipe import params as params_mod
+from detpipe.io import join_url, read_url_bytes
+from detpipe.errors import StageError, run_stage
+from detpipe.data import (CachedDetectionDataset, ResumableDistributedSampler, check_cache_masks, collate, read_meta,
                          uses_masks)
-from stages.hooks import (CheckpointHook, EMAHook, EvalHook, LRScheduleHook, MetricsHook, ProgressHook, Timer,
+from detpipe.hooks import (CheckpointHook, EMAHook, EvalHook, LRScheduleHook, MetricsHook, ProgressHook, Timer,
                           TrainerBase, all_reduce_flag, check_bad_steps, list_checkpoints, rng_state, save_atomic,
                           set_rng_state)
-from stages.launch import launch_module
-from stages.models import build_from_config, load_weights, model_config
+from detpipe.distributed import die_with_parent, launch_module, setup_distributed
+from detpipe.paths import ARROW_META, CACHE_DIR, CKPT_DIR, LIVE_DIR, MODEL as MODEL_OUT
+from detpipe.models import build_from_config, load_weights, model_config
 
 log = logging.getLogger("stages.train")
 
-CACHE_DIR = Path("data/cache")
-ARROW_META = Path("data/arrow/meta.json")
-CKPT_DIR = Path("checkpoints")
-MODEL_OUT = Path("models/model.pt")
-LIVE_DIR = "dvclive"
 
 # Params that do not change the result of training: a checkpoint made with other values resumes.
 _NOT_IN_FINGERPRINT = {"resume", "keep_last", "checkpoint_every", "num_workers", "threads", "node_rank",
@@ -266,31 +262,6 @@ def find_resume_state(cfg: params_mod.Train, fp: str, ckpt_dir: Path = CKPT_DIR)
     return None
 
 
-def die_with_parent() -> None:
-    """Linux: have the kernel SIGKILL this worker when its launcher dies (``prctl(PR_SET_PDEATHSIG)``), so a
-    ``kill -9`` of the stage never leaves orphan workers writing checkpoints beside a resumed run."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-        import signal
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-
-
-def setup_distributed() -> tuple[int, int, int, torch.device]:
-    """Init the process group from torchrun's env (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``): nccl with one
-    GPU per local rank when CUDA is available, else gloo. Returns ``(rank, world_size, local_rank, device)``."""
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return rank, world, local_rank, device
-
-
 def build_trainer(cfg: params_mod.Train, cache_dir: Path = CACHE_DIR, arrow_meta: Path = ARROW_META,
                   ckpt_dir: Path = CKPT_DIR, live_dir: str = LIVE_DIR) -> Trainer:
     """Set up this process (distributed group, threads, seeds) and build the `Trainer` with its hooks.
@@ -406,28 +377,17 @@ def check_ranks_agree(model: torch.nn.Module, distributed: bool, rank: int, worl
 
 
 def read_cache_meta_bytes(root: str) -> bytes:
-    """Bytes of ``<root>/meta.json`` for a local cache directory or a pyarrow filesystem URL (``s3://...``).
+    """Bytes of ``<root>/meta.json`` for a local cache directory or a URL (``s3://...``).
     Raises `StageError` naming the location when it cannot be read."""
-    if "://" not in root:
-        path = Path(root) / "meta.json"
-        if not path.is_file():
-            raise StageError(f"{path}: not found (run the augment stage first)")
-        return path.read_bytes()
-    import pyarrow.fs as pafs
-
-    base, _, query = root.partition("?")
-    try:
-        fs, path = pafs.FileSystem.from_uri(base.rstrip("/") + "/meta.json" + (f"?{query}" if query else ""))
-        with fs.open_input_stream(path) as f:
-            return f.read()
-    except Exception as e:  # pyarrow raises OSError / ArrowInvalid subclasses per backend
-        raise StageError(f"train.cache_url: cannot read {base.rstrip('/')}/meta.json: {e}") from None
+    if "://" not in root and not (Path(root) / "meta.json").is_file():
+        raise StageError(f"{Path(root) / 'meta.json'}: not found (run the augment stage first)")
+    return read_url_bytes(join_url(root, "meta.json"), "train.cache_url" if "://" in root else "augment cache")
 
 
 def make_eval_fn(cache_dir: str | Path, arrow_meta: Path):
     """``eval_fn(model) -> stats`` for `EvalHook`: COCO bbox stats on the val cache (see stages.evaluate)."""
-    from stages.cocoeval import coco_evaluate
-    from stages.evaluate import gt_from_arrow, label_to_category_id, predict
+    from detpipe.cocoeval import coco_evaluate
+    from detpipe.evaluation import gt_from_arrow, label_to_category_id, predict
 
     meta = read_meta(arrow_meta)
     gt = gt_from_arrow(Path(arrow_meta).parent / "val", meta)

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from pycocotools import mask as mask_utils
 
-from stages.common import StageError
-from stages.cocoeval import BACKENDS, STAT_NAMES, CocoResult, coco_evaluate, pr_curve_rows
+from detpipe.errors import StageError
+from detpipe.cocoeval import BACKENDS, STAT_NAMES, CocoResult, coco_evaluate, pr_curve_rows
 
 REF = Path(__file__).parent / "data" / "coco_eval_reference"
 

@@ -17,10 +17,10 @@ import pytest
 from PIL import Image, ImageDraw
 from pycocotools import mask as mask_utils
 
-from stages.common import StageError
+from detpipe.errors import StageError
 from stages.convert import RULES, SCHEMA, convert, inspect_image, split_ids
-from stages.imageio import decode_rgb
-from stages.params import Convert
+from detpipe.imageio import decode_rgb
+from detpipe.params import Convert
 
 REPO = Path(__file__).resolve().parents[1]
 COCO = REPO / "data" / "coco128"

@@ -13,8 +13,8 @@ from torch.utils.data import DataLoader
 from torchvision import tv_tensors
 from torchvision.transforms.v2 import functional as TF
 
-from stages.common import StageError
-from stages.data import CachedDetectionDataset, ResumableDistributedSampler, collate
+from detpipe.errors import StageError
+from detpipe.data import CachedDetectionDataset, ResumableDistributedSampler, collate
 
 
 @pytest.fixture(scope="module")

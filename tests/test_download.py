@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from stages.common import StageError
+from detpipe.errors import StageError
 from stages.download import download, extract, fetch, folder_sha256, http_fetch
 
 try:

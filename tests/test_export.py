@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from conftest import recalibrated_model, run_stage
-from stages.common import StageError
-from stages.data import CachedDetectionDataset
+from detpipe.errors import StageError
+from detpipe.data import CachedDetectionDataset
 from stages.export import match_detections
 
 
@@ -111,7 +111,7 @@ def test_truncation_boundary_is_not_a_disagreement():
 def test_parity_gate_fails_and_writes_nothing(confident_workdir, tmp_path, monkeypatch):
     """An exported model that disagrees with the eager one stops the stage, and no model file is left."""
     import stages.export as export_mod
-    from stages.params import Export
+    from detpipe.params import Export
 
     work = tmp_path / "w"
     shutil.copytree(confident_workdir, work)

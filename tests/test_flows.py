@@ -30,8 +30,8 @@ from test_pipeline import copy_repo, sh
 
 from flows.serve import overrides_schema
 from flows.train import FlowError, apply_overrides, normalize_overrides, parse_overrides
-from stages import params as params_mod
-from stages.download import folder_sha256
+from detpipe import params as params_mod
+from detpipe.io import folder_sha256
 
 # ---------------------------------------------------------------------------------------------- fast tests
 

@@ -15,12 +15,12 @@ from pycocotools import mask as mask_utils
 from torchvision.transforms.v2 import functional as TF
 
 from conftest import make_coco_subset, recalibrated_model, run_stage, write_params
-from stages import params as params_mod
+from detpipe import params as params_mod
 from stages.augment import build_cache
-from stages.cocoeval import coco_evaluate
-from stages.common import StageError
-from stages.data import CachedDetectionDataset, collate, read_meta, uses_masks
-from stages.evaluate import gt_from_arrow, masks_to_rles
+from detpipe.cocoeval import coco_evaluate
+from detpipe.errors import StageError
+from detpipe.data import CachedDetectionDataset, collate, read_meta, uses_masks
+from detpipe.evaluation import gt_from_arrow, masks_to_rles
 
 # keep_ratio with the longer side 320: Mask R-CNN's transform keeps these sizes (no second resize)
 MASK_PARAMS = {"convert": {"val_fraction": 0.5},
@@ -237,7 +237,7 @@ def test_box_models_do_not_get_masks(mask_workdir, nomask_workdir):
     with pytest.raises(StageError) as e:
         CachedDetectionDataset(nomask_workdir / "data/cache", "train", with_masks=True)
     assert "without an instance mask" in str(e.value) and "rule:" in str(e.value) and "\n" not in str(e.value)
-    from stages.models import build_model
+    from detpipe.models import build_model
     assert uses_masks(build_model("maskrcnn_resnet50_fpn", 3))
     assert not uses_masks(build_model("fasterrcnn_resnet50_fpn", 3))
 
@@ -351,7 +351,7 @@ def test_export_mask_model_with_masks_output(mask_trained, tmp_path):
     card = (work / "models/model_card.md").read_text()
     assert "`masks` `float32 (N, 1, H, W)`" in card and "boxes, scores, labels, masks = session.run" in card
     # the ONNX file's masks output agrees with the eager model's masks
-    from stages.evaluate import load_model
+    from detpipe.models import load_model
     model, _ = load_model(work / "models/model.pt")
     image = CachedDetectionDataset(work / "data/cache", "val")[0][0]
     with torch.no_grad():

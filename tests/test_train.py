@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -120,8 +119,8 @@ def test_unknown_model_is_one_line_error(cached_workdir, tmp_path):
 
 def test_local_weights_path(trained_workdir, tmp_path):
     """train.weights: a local state_dict file initialises the model (checked by its sha256)."""
-    from stages.common import sha256_file
-    from stages.models import build_from_config, load_weights
+    from detpipe.io import sha256_file
+    from detpipe.models import build_from_config, load_weights
 
     ckpt = torch.load(trained_workdir / "models/model.pt", weights_only=True)
     path = tmp_path / "w.pt"
@@ -131,6 +130,6 @@ def test_local_weights_path(trained_workdir, tmp_path):
     assert out["loaded"] == len(ckpt["model"]) and out["skipped"] == []
     for k, v in model.state_dict().items():
         assert torch.equal(v, ckpt["model"][k])
-    from stages.common import StageError
+    from detpipe.errors import StageError
     with pytest.raises(StageError, match="sha256"):
         load_weights(model, str(path), "0" * 64)

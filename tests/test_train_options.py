@@ -7,15 +7,14 @@ import http.server
 import json
 import shutil
 import threading
-from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import run_stage, write_params
-from stages.common import StageError
-from stages.data import CachedDetectionDataset, collate
-from stages.models import build_from_config, load_weights, model_config
+from detpipe.errors import StageError
+from detpipe.data import CachedDetectionDataset, collate
+from detpipe.models import build_from_config, load_weights, model_config
 from stages.train import model_kwargs
 
 

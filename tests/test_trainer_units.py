@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from stages.common import StageError
-from stages.hooks import lr_factor, rng_state, set_rng_state
-from stages.params import Train
+from detpipe.errors import StageError
+from detpipe.hooks import lr_factor, rng_state, set_rng_state
+from detpipe.params import Train
 from stages.train import launch_args, model_kwargs
 
 
@@ -58,7 +58,7 @@ def test_rng_state_roundtrip_through_weights_only_load(tmp_path):
 def test_amp_off_survives_yaml_rewrites(tmp_path):
     """`dvc exp run -S` rewrites params.yaml with `amp: off` unquoted, which YAML 1.1 reads as False."""
     import shutil
-    from stages.params import load
+    from detpipe.params import load
 
     p = tmp_path / "params.yaml"
     shutil.copy("params.yaml", p)

@@ -6,7 +6,7 @@ import io
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from stages.common import StageError
+from detpipe.errors import StageError
 
 
 def decode_rgb(data: bytes, source: str = "<bytes>") -> np.ndarray:

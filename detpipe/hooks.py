@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from stages.common import StageError
+from detpipe.errors import StageError
 
-log = logging.getLogger("stages.hooks")
+log = logging.getLogger("detpipe.hooks")
 
 
 class HookBase:

@@ -3,7 +3,7 @@ DVC cache, so that ``dvc push`` shares it and another clone can ``dvc pull`` it 
 
 Usage, from the repository root, after a training was stopped (killed, preempted, out of time)::
 
-    python -m stages.commit_partial train     # checkpoints/ (and dvclive/) into dvc.lock + .dvc/cache
+    python -m detpipe.commit_partial train     # checkpoints/ (and dvclive/) into dvc.lock + .dvc/cache
     git add dvc.lock && git commit -m "train: partial run" && git push
     dvc push                                  # uploads the checkpoints
 

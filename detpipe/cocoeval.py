@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from stages.common import StageError
+from detpipe.errors import StageError
 
 STAT_NAMES = ("AP", "AP50", "AP75", "APs", "APm", "APl", "AR1", "AR10", "AR100", "ARs", "ARm", "ARl")
 """Names of the 12 numbers of ``COCOeval.stats``, in its order (pycocotools ``COCOeval.summarize``)."""

@@ -11,7 +11,7 @@ from typing import Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from stages.common import StageError
+from detpipe.errors import StageError
 
 PARAMS_FILE = Path("params.yaml")
 

@@ -4,15 +4,17 @@ from __future__ import annotations
 import hashlib
 import io
 import logging
+from pathlib import Path
 
-import fsspec
 import torch
 import torchvision
 from torch import nn
 
-from stages.common import StageError
+from detpipe.errors import StageError
+from detpipe.io import read_url_bytes
+from detpipe.paths import MODEL
 
-log = logging.getLogger("stages.models")
+log = logging.getLogger("detpipe.models")
 
 
 def detection_model_names() -> list[str]:
@@ -39,13 +41,7 @@ def build_model(name: str, num_classes: int, **kwargs) -> nn.Module:
 
 
 def _read_weights_bytes(source: str, sha256: str | None) -> bytes:
-    try:
-        with fsspec.open(source, "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
-        raise StageError(f"train.weights: '{source}' not found") from None
-    except Exception as e:  # network / permission errors from any fsspec backend
-        raise StageError(f"train.weights: cannot read '{source}': {type(e).__name__}: {e}") from None
+    data = read_url_bytes(source, "train.weights")
     if sha256 is not None:
         actual = hashlib.sha256(data).hexdigest()
         if actual != sha256:
@@ -109,3 +105,14 @@ def build_from_config(config: dict) -> nn.Module:
     model = build_model(config["name"], config["num_classes"], **config.get("kwargs", {}))
     model._detpipe_name = config["name"]
     return model
+
+
+def load_model(path: Path | str = MODEL, device: torch.device | str = "cpu") -> tuple[torch.nn.Module, dict]:
+    """Rebuild the trained model from ``models/model.pt`` (eval mode). Returns ``(model, checkpoint)``.
+    Raises `StageError` if the file is missing."""
+    if not Path(path).is_file():
+        raise StageError(f"{path}: not found (run the train stage first)")
+    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    model = build_from_config(ckpt["config"])
+    model.load_state_dict(ckpt["model"])
+    return model.to(device).eval(), ckpt

@@ -26,7 +26,8 @@ import torch
 from pycocotools import mask as mask_utils
 from torch.utils.data import Dataset, Sampler
 
-from stages.common import StageError
+from detpipe.io import filesystem as open_filesystem
+from detpipe.errors import StageError
 
 INDEX_FILE = "index.arrow"  # written by stages.augment (INDEX_SCHEMA)
 _INDEX_COLUMNS = ("image_id", "variant", "height", "width", "orig_height", "orig_width", "scale_y", "scale_x",
@@ -34,42 +35,6 @@ _INDEX_COLUMNS = ("image_id", "variant", "height", "width", "orig_height", "orig
 _MASK_RULE = ("rule: mask models need a polygon or RLE segmentation for every non-crowd object; use data with "
               "masks or a box-only model")
 _FLIP_STREAM = 0x666C6970  # a constant third seed word, so flip draws do not reuse the sampler's stream
-
-
-def resolve_filesystem(root: str | Path, filesystem: Any = None) -> tuple[pafs.FileSystem | None, str]:
-    """Where the cache lives: ``(None, path)`` for a local folder (read by memory map), else
-    ``(pyarrow filesystem, path inside it)``.
-
-    Args:
-        root: a local path or a URL. URLs go to ``pyarrow.fs.FileSystem.from_uri`` (``s3://``, ``gs://``,
-            ``hdfs://``, ``file://``; S3 options as query parameters, e.g. ``?endpoint_override=host:port&scheme=http``,
-            credentials from the usual AWS environment/config), and schemes pyarrow does not know to
-            ``fsspec.core.url_to_fs``.
-        filesystem: an explicit ``pyarrow.fs.FileSystem`` or fsspec filesystem; ``root`` is then a path in it
-            (a URL scheme, if any, is stripped).
-    Raises:
-        StageError: the URL's filesystem cannot be created (names the URL and the reason).
-    """
-    root = str(root)
-    if filesystem is not None:
-        if not isinstance(filesystem, pafs.FileSystem):
-            filesystem = pafs.PyFileSystem(pafs.FSSpecHandler(filesystem))
-        return filesystem, root.split("://", 1)[-1].rstrip("/")
-    if "://" not in root:
-        return None, root
-    try:
-        fs, path = pafs.FileSystem.from_uri(root)
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-        try:
-            import fsspec
-
-            ffs, path = fsspec.core.url_to_fs(root)
-        except (ImportError, ValueError) as e:
-            raise StageError(f"{root}: no filesystem for this URL ({e})") from None
-        fs = pafs.PyFileSystem(pafs.FSSpecHandler(ffs))
-    except OSError as e:
-        raise StageError(f"{root}: cannot open the filesystem ({e})") from None
-    return fs, path.rstrip("/")
 
 
 def _read_index(fs: pafs.FileSystem | None, split_dir: str) -> pa.Table:
@@ -130,7 +95,7 @@ class CachedDetectionDataset(Dataset):
     handles on first use.
 
     Args:
-        root: cache root (``data/cache``) or a URL, see `resolve_filesystem`.
+        root: cache root (``data/cache``) or a URL, see `detpipe.io.filesystem`.
         split: ``"train"`` or ``"val"``.
         hflip: flip probability in ``[0, 1]``.
         seed: seed of the flips and of the variant choice (``train.seed``).
@@ -156,7 +121,7 @@ class CachedDetectionDataset(Dataset):
         self.with_masks = bool(with_masks)
         self.root, self.split, self.hflip, self.seed, self.epoch = str(root), split, float(hflip), int(seed), 0
         self._explicit_fs = filesystem
-        fs, base = resolve_filesystem(self.root, filesystem)
+        fs, base = open_filesystem(self.root, filesystem)
         self._split_dir = f"{base}/{split}"
         table = _read_index(fs, self._split_dir)
         col = lambda name: table.column(name).to_numpy()  # noqa: E731
@@ -224,7 +189,7 @@ class CachedDetectionDataset(Dataset):
     def _reader(self, shard: int) -> ipc.RecordBatchFileReader:
         if self._pid != os.getpid():  # a forked or spawned worker: never reuse the parent's handles / clients
             self._readers, self._pid = {}, os.getpid()
-            self._fs = resolve_filesystem(self.root, self._explicit_fs)[0]
+            self._fs = open_filesystem(self.root, self._explicit_fs)[0]
         reader = self._readers.get(shard)
         if reader is None:
             path = f"{self._split_dir}/{self._shard_names[shard]}"

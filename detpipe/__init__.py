@@ -1,0 +1,1 @@
+"""detpipe: the library behind the pipeline stages (one module per concern)."""

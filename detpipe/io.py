@@ -1,0 +1,196 @@
+"""Files: atomic outputs (temporary path, fsync, rename) and content hashes."""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+
+from detpipe.errors import StageError
+
+log = logging.getLogger("detpipe.io")
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+@contextlib.contextmanager
+def atomic_dir(target: Path | str) -> Iterator[Path]:
+    """Yield an empty temporary directory beside ``target``; on success it replaces ``target`` by rename.
+
+    On any exception the temporary directory is removed and ``target`` is left as it was, so a failed or
+    interrupted stage never leaves half-written outputs.
+    """
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; outputs get the usual permissions
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if target.is_dir() and not target.is_symlink():
+        old = target.with_name(f".{target.name}.old-{os.getpid()}")
+        target.rename(old)
+        tmp.rename(target)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        if target.exists() or target.is_symlink():
+            target.unlink()
+        tmp.rename(target)
+
+
+def atomic_write_bytes(path: Path | str, data: bytes) -> None:
+    """Write ``data`` to ``path`` via a temporary file, fsync and rename (never a half-written file)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_json(path: Path | str, obj) -> None:
+    """`atomic_write_bytes` of ``obj`` as indented JSON (UTF-8, trailing newline)."""
+    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode())
+
+
+def sha256_file(path: Path | str, chunk_bytes: int = 1 << 20) -> str:
+    """Hex sha256 of a file's bytes, read in ``chunk_bytes`` chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_bytes):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def iter_files(root: Path) -> Iterator[tuple[str, Path]]:
+    """(POSIX relative path, path) of every regular file under ``root`` (symlinks to files are followed,
+    symlinked folders are not entered), in no particular order. Other entries are counted and logged."""
+    skipped = 0
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        for name in filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
+            full = Path(dirpath, name)
+            if full.is_file():
+                yield full.relative_to(root).as_posix(), full
+            else:
+                skipped += 1
+                log.warning("%s: skipped (not a regular file)", full)
+    if skipped:
+        log.warning("%s: skipped %d entries that are not regular files", root, skipped)
+
+
+def folder_sha256(path: Path | str) -> str:
+    """sha256 of a folder's manifest, used to pin a folder source in ``download.sha256``.
+
+    The manifest is the UTF-8 text with one line per regular file under ``path`` (recursively; symlinks to
+    files count as files, symlinked folders and empty folders are ignored), sorted by the file's POSIX
+    relative path (Python string order, i.e. by Unicode code point)::
+
+        <relpath>\\t<hex sha256 of the file's bytes>\\n
+
+    e.g. ``annotations/instances_train2017.json\\t9f2c...\\n``. An empty folder hashes to the sha256 of the
+    empty string. The same value results from any copy of the folder, whatever the file times or modes.
+
+    Returns:
+        the hex digest (64 lower-case characters).
+    Raises:
+        StageError: ``path`` is not a folder, or a file name contains a tab or newline (ambiguous manifest).
+    """
+    root = Path(path)
+    if not root.is_dir():
+        raise StageError(f"{root}: not a folder")
+    lines = []
+    for rel, full in iter_files(root):
+        if "\t" in rel or "\n" in rel:
+            raise StageError(f"{full}: file name contains a tab or newline; cannot be listed in a manifest")
+        lines.append((rel, sha256_file(full)))
+    h = hashlib.sha256()
+    for rel, digest in sorted(lines):
+        h.update(f"{rel}\t{digest}\n".encode("utf-8"))
+    return h.hexdigest()
+
+
+def filesystem(root: str | Path, filesystem: Any = None) -> tuple[pafs.FileSystem | None, str]:
+    """The filesystem behind a path or URL: ``(None, path)`` for a local path (callers memory-map or open it
+    directly), else ``(pyarrow filesystem, path inside it)``. The one place URLs become filesystems.
+
+    Args:
+        root: a local path or a URL. URLs go to ``pyarrow.fs.FileSystem.from_uri`` (``s3://``, ``gs://``,
+            ``hdfs://``, ``file://``; S3 options as query parameters, e.g. ``?endpoint_override=host:port&scheme=http``,
+            credentials from the usual AWS environment/config), and schemes pyarrow does not know to
+            ``fsspec.core.url_to_fs``.
+        filesystem: an explicit ``pyarrow.fs.FileSystem`` or fsspec filesystem; ``root`` is then a path in it
+            (a URL scheme, if any, is stripped).
+    Raises:
+        StageError: the URL's filesystem cannot be created (names the URL and the reason).
+    """
+    root = str(root)
+    if filesystem is not None:
+        if not isinstance(filesystem, pafs.FileSystem):
+            filesystem = pafs.PyFileSystem(pafs.FSSpecHandler(filesystem))
+        return filesystem, root.split("://", 1)[-1].rstrip("/")
+    if "://" not in root:
+        return None, root
+    try:
+        fs, path = pafs.FileSystem.from_uri(root)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        try:
+            import fsspec
+
+            ffs, path = fsspec.core.url_to_fs(root)
+        except (ImportError, ValueError) as e:
+            raise StageError(f"{root}: no filesystem for this URL ({e})") from None
+        fs = pafs.PyFileSystem(pafs.FSSpecHandler(ffs))
+    except OSError as e:
+        raise StageError(f"{root}: cannot open the filesystem ({e})") from None
+    return fs, path.rstrip("/")
+
+
+def join_url(base: str, *parts: str) -> str:
+    """``base`` joined with path ``parts``, keeping a URL's query string (``?endpoint_override=...``) at the end:
+    ``join_url("s3://b/cache?scheme=http", "meta.json") == "s3://b/cache/meta.json?scheme=http"``."""
+    path, sep, query = str(base).partition("?")
+    joined = "/".join([path.rstrip("/"), *(p.strip("/") for p in parts)])
+    return joined + (f"?{query}" if sep else "")
+
+
+def read_url_bytes(url: str | Path, what: str) -> bytes:
+    """All bytes of a local file or of a URL (any scheme `filesystem` knows: ``s3://``, ``http(s)://``, ...).
+
+    Args:
+        url: local path or URL.
+        what: the setting or role named in errors (e.g. ``"train.weights"``).
+    Raises:
+        StageError: the file does not exist or cannot be read (names ``what``, the location and the reason).
+    """
+    fs, path = filesystem(url)
+    try:
+        if fs is None:
+            return Path(path).read_bytes()
+        with fs.open_input_stream(path) as f:
+            return f.read()
+    except FileNotFoundError:
+        raise StageError(f"{what}: '{url}' not found") from None
+    except Exception as e:  # pyarrow / fsspec raise OSError and backend-specific errors
+        raise StageError(f"{what}: cannot read '{url}': {type(e).__name__}: {e}") from None

@@ -1,0 +1,64 @@
+"""The layout the project promises: six stage modules, a library package, dvc.yaml deps that follow the imports."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+STAGES = ("download", "convert", "augment", "train", "evaluate", "export")
+
+
+def _imports(path: Path) -> set[str]:
+    """Top-level package modules (``detpipe.x``, ``stages.x``) imported anywhere in ``path``."""
+    mods: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module in ("detpipe", "stages"):
+                mods.update(f"{node.module}.{a.name}" for a in node.names)
+            elif node.module.split(".")[0] in ("detpipe", "stages"):
+                mods.add(".".join(node.module.split(".")[:2]))
+        elif isinstance(node, ast.Import):
+            mods.update(".".join(a.name.split(".")[:2]) for a in node.names if a.name.split(".")[0] in ("detpipe", "stages"))
+    return mods
+
+
+def code_closure(module_file: Path) -> set[str]:
+    """Repository-relative paths of ``module_file`` and every project module it imports, transitively."""
+    seen: set[str] = set()
+    todo = [module_file]
+    while todo:
+        f = todo.pop()
+        rel = f.relative_to(ROOT).as_posix()
+        if rel in seen:
+            continue
+        seen.add(rel)
+        for mod in _imports(f):
+            p = ROOT / (mod.replace(".", "/") + ".py")
+            if p.is_file():
+                todo.append(p)
+    return seen
+
+
+def test_stages_holds_the_six_stages_only():
+    found = {p.stem for p in (ROOT / "stages").glob("*.py")} - {"__init__"}
+    assert found == set(STAGES)
+
+
+def test_no_stage_imports_another_stage():
+    for name in STAGES:
+        imported = {m for m in _imports(ROOT / "stages" / f"{name}.py") if m.startswith("stages.")}
+        assert not imported, f"stages/{name}.py imports {sorted(imported)}"
+    for lib in (ROOT / "detpipe").glob("*.py"):
+        imported = {m for m in _imports(lib) if m.startswith("stages.")}
+        assert not imported, f"{lib.name} imports stages {sorted(imported)}"
+
+
+def test_dvc_yaml_code_deps_follow_the_imports():
+    pipeline = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    for name in STAGES:
+        deps = {d if isinstance(d, str) else next(iter(d)) for d in pipeline[name]["deps"]}
+        code = {d for d in deps if d.endswith(".py")}
+        want = code_closure(ROOT / "stages" / f"{name}.py") - {"detpipe/__init__.py", "stages/__init__.py"}
+        assert code == want, f"{name}: dvc.yaml lists {sorted(code - want)} extra, misses {sorted(want - code)}"
