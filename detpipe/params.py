@@ -21,71 +21,71 @@ class _Section(BaseModel):
 
 
 class Download(_Section):
-    source: str
-    sha256: Optional[str] = Field(default=None, pattern=r"^[0-9a-f]{64}$")
-    retries: int = Field(default=3, ge=0)
-    timeout_s: float = Field(default=60, gt=0)
-    endpoint_url: Optional[str] = None
+    source: str = Field(description='Local path or fsspec URL (folder, .zip/.tar[.gz|.bz2|.xz] archive, or one file) copied into data/raw.')
+    sha256: Optional[str] = Field(default=None, pattern=r"^[0-9a-f]{64}$", description="Hex sha256 of the fetched file, or of a folder's manifest (python -m stages.download --print-sha256); null skips the check.")
+    retries: int = Field(default=3, ge=0, description='Retries of transient network errors (connection, timeouts, 408/429/5xx), exponential backoff 1 s .. 60 s.')
+    timeout_s: float = Field(default=60, gt=0, description='Seconds a connect or read may stall before it counts as a transient error.')
+    endpoint_url: Optional[str] = Field(default=None, description='S3-compatible endpoint (SeaweedFS, MinIO) for s3:// sources; credentials only from the environment / AWS config.')
 
 
 class Convert(_Section):
-    annotations: str
-    images: str
-    val_annotations: Optional[str] = None
-    val_images: Optional[str] = None
-    val_fraction: float = Field(default=0.2, ge=0, lt=1)
-    seed: int = 0
-    shard_mb: float = Field(default=64, gt=0)
-    strict: bool = False
-    workers: int = Field(default=2, ge=0)
+    annotations: str = Field(description='COCO instances JSON, relative to data/raw.')
+    images: str = Field(description='Image folder of that JSON, relative to data/raw.')
+    val_annotations: Optional[str] = Field(default=None, description='Separate val/test JSON relative to data/raw (its own image-id space); null = split the train file by val_fraction.')
+    val_images: Optional[str] = Field(default=None, description='Image folder of val_annotations (default: images).')
+    val_fraction: float = Field(default=0.2, ge=0, lt=1, description='Share of images (by sorted id, permuted with seed) that go to val when there is no val file.')
+    seed: int = Field(default=0, description='Seed of the train/val permutation (numpy.random.default_rng).')
+    shard_mb: float = Field(default=64, gt=0, description='Image bytes per Arrow shard, in MB (10^6 bytes).')
+    strict: bool = Field(default=False, description='Turn every counted validation rule into an error naming the file, record and rule.')
+    workers: int = Field(default=2, ge=0, description='Processes that read, validate and write shards (0 = in this process).')
 
 
 class Augment(_Section):
-    resize: Literal["fixed", "keep_ratio"] = "fixed"
-    size: int = Field(default=320, gt=0)
-    min_size: int = Field(default=800, gt=0)
-    max_size: int = Field(default=1333, gt=0)
-    copies: int = Field(default=0, ge=0)
-    seed: int = 0
-    workers: int = Field(default=2, ge=0)
+    resize: Literal["fixed", "keep_ratio"] = Field(default="fixed", description="fixed: size x size (SSD); keep_ratio: torchvision's R-CNN rule (shorter side min_size, longer <= max_size).")
+    size: int = Field(default=320, gt=0, description='Side in pixels for resize: fixed.')
+    min_size: int = Field(default=800, gt=0, description='keep_ratio: target shorter side in pixels.')
+    max_size: int = Field(default=1333, gt=0, description='keep_ratio: cap of the longer side in pixels.')
+    copies: int = Field(default=0, ge=0, description='SSD-style augmented copies per train image (photometric, zoom-out, IoU crop), stored beside the original.')
+    seed: int = Field(default=0, description='Seed of the augmented copies (one stream per image and copy).')
+    workers: int = Field(default=2, ge=0, description='Processes that decode and resize (0 = in this process); does not change the output.')
 
 
 class Train(_Section):
-    model: str = "ssdlite320_mobilenet_v3_large"
-    weights: Optional[str] = None
-    weights_sha256: Optional[str] = Field(default=None, pattern=r"^[0-9a-f]{64}$")
-    nproc_per_node: int = Field(default=1, ge=1)
-    nnodes: int = Field(default=1, ge=1)
-    node_rank: int = Field(default=0, ge=0)
-    rdzv_endpoint: str = Field(default="127.0.0.1:29500", pattern=r"^[^:\s]+:\d+$")
-    epochs: int = Field(default=8, ge=1)
-    batch_size: int = Field(default=16, ge=1)
-    accumulate: int = Field(default=1, ge=1)
-    base_batch_size: Optional[int] = Field(default=None, ge=1)
-    lr: float = Field(default=0.05, gt=0)
-    momentum: float = Field(default=0.9, ge=0, lt=1)
-    weight_decay: float = Field(default=4e-5, ge=0)
-    schedule: Literal["cosine", "multistep"] = "cosine"
-    milestones: list[float] = Field(default_factory=lambda: [0.67, 0.89])
-    gamma: float = Field(default=0.1, gt=0, le=1)
-    warmup_iters: int = Field(default=10, ge=0)
-    hflip: float = Field(default=0.5, ge=0, le=1)
-    seed: int = 0
-    num_workers: int = Field(default=0, ge=0)
-    checkpoint_every: int = Field(default=20, ge=1)
-    keep_last: int = Field(default=2, ge=1)
-    resume: Literal["auto", "never", "must"] = "auto"
-    amp: Literal["off", "bf16", "fp16"] = "off"
-    max_bad_steps: int = Field(default=5, ge=0)
-    threads: int = Field(default=0, ge=0)
-    deterministic: bool = False
-    channels_last: bool = False
-    compile: bool = False
-    ema: bool = False
-    ema_decay: float = Field(default=0.9998, gt=0, lt=1)
-    eval_every: int = Field(default=0, ge=0)
-    log_every: int = Field(default=1, ge=1)
-    cache_url: Optional[str] = None
+    model: str = Field(default="ssdlite320_mobilenet_v3_large", description='torchvision detection model builder name (torchvision.models.list_models(torchvision.models.detection)).')
+    weights: Optional[str] = Field(default=None, description='Initial state_dict: local path or http(s):// / s3:// URL, or a torchvision weights name (online only); null = random init.')
+    weights_sha256: Optional[str] = Field(default=None, pattern=r"^[0-9a-f]{64}$", description='Hex sha256 the weights file must have; null skips the check.')
+    nproc_per_node: int = Field(default=1, ge=1, description='Worker processes per node (one per GPU on CUDA).')
+    nnodes: int = Field(default=1, ge=1, description='Number of nodes of the job.')
+    node_rank: int = Field(default=0, ge=0, description="This node's rank, 0 .. nnodes-1.")
+    rdzv_endpoint: str = Field(default="127.0.0.1:29500", pattern=r"^[^:\s]+:\d+$", description='host:port of the rendezvous (node 0) when nnodes > 1.')
+    epochs: int = Field(default=8, ge=1, description='Passes over the train split.')
+    batch_size: int = Field(default=16, ge=1, description='Images per process per micro-batch.')
+    accumulate: int = Field(default=1, ge=1, description='Micro-batches per optimizer step (gradient accumulation).')
+    base_batch_size: Optional[int] = Field(default=None, ge=1, description='If set, lr is scaled by total batch / base_batch_size (linear scaling rule, Goyal et al. 2017).')
+    lr: float = Field(default=0.05, gt=0, description='Peak learning rate of SGD (before scaling).')
+    momentum: float = Field(default=0.9, ge=0, lt=1, description='SGD momentum.')
+    weight_decay: float = Field(default=4e-5, ge=0, description='SGD weight decay (L2).')
+    schedule: Literal["cosine", "multistep"] = Field(default="cosine", description='LR schedule after linear warmup, per iteration: cosine or multistep.')
+    milestones: list[float] = Field(default_factory=lambda: [0.67, 0.89], description='multistep: increasing fractions of training in (0, 1) where lr *= gamma.')
+    gamma: float = Field(default=0.1, gt=0, le=1, description='multistep: factor applied at each milestone.')
+    warmup_iters: int = Field(default=10, ge=0, description='Iterations of linear LR warmup.')
+    hflip: float = Field(default=0.5, ge=0, le=1, description='Probability of a horizontal flip per image per epoch.')
+    seed: int = Field(default=0, description="Seed of the sampler, flips and model init (every rank's RNG derives from it).")
+    num_workers: int = Field(default=0, ge=0, description='DataLoader worker processes per training process.')
+    checkpoint_every: int = Field(default=20, ge=1, description='Iterations between checkpoints (and one at the end).')
+    keep_last: int = Field(default=2, ge=1, description='Checkpoints kept (older ones deleted).')
+    resume: Literal["auto", "never", "must"] = Field(default="auto", description='auto: resume from the newest matching checkpoint; never: start fresh; must: fail without one.')
+    amp: Literal["off", "bf16", "fp16"] = Field(default="off", description='Mixed precision: off, bf16 (autocast) or fp16 (autocast + grad scaler on CUDA).')
+    max_bad_steps: int = Field(default=5, ge=0, description='Non-finite-loss steps skipped before training stops with an error.')
+    threads: int = Field(default=0, ge=0, description='torch intra-op threads per process; 0 = cores / nproc_per_node.')
+    deterministic: bool = Field(default=False, description='torch.use_deterministic_algorithms(True).')
+    channels_last: bool = Field(default=False, description='Model and inputs in channels_last memory format.')
+    compile: bool = Field(default=False, description='torch.compile the model.')
+    ema: bool = Field(default=False, description='Keep an exponential moving average of the weights; it is what gets evaluated and exported.')
+    ema_decay: float = Field(default=0.9998, gt=0, lt=1, description='EMA decay per iteration.')
+    eval_every: int = Field(default=0, ge=0, description='Iterations between COCO evaluations on val (0 = off); the best goes to checkpoints/best.pt.')
+    log_every: int = Field(default=1, ge=1, description='Iterations between DVCLive metric rows.')
+    cache_url: Optional[str] = Field(default=None, description='Read the augmentation cache from this URL (s3://bucket/cache?endpoint_override=host:port&scheme=http) instead of data/cache.')
 
     @field_validator("amp", mode="before")
     @classmethod
@@ -103,35 +103,37 @@ class Train(_Section):
 
 
 class Evaluate(_Section):
-    batch_size: int = Field(default=16, ge=1)
-    backend: Literal["pycocotools", "faster_coco_eval"] = "pycocotools"
-    score_threshold: float = Field(default=0.0, ge=0, le=1)
-    nproc_per_node: int = Field(default=1, ge=1)
-    num_plot_images: int = Field(default=4, ge=0)
-    plot_score_threshold: float = Field(default=0.3, ge=0, le=1)
+    batch_size: int = Field(default=16, ge=1, description='Images per forward pass.')
+    backend: Literal["pycocotools", "faster_coco_eval"] = Field(default="pycocotools", description='COCOeval implementation: pycocotools or faster_coco_eval (identical stats).')
+    score_threshold: float = Field(default=0.0, ge=0, le=1, description='Detections below this score are not scored.')
+    nproc_per_node: int = Field(default=1, ge=1, description='Processes that each predict part of val (torchrun); rank 0 scores.')
+    num_plot_images: int = Field(default=4, ge=0, description='Val images drawn with predicted and ground-truth boxes under plots/.')
+    plot_score_threshold: float = Field(default=0.3, ge=0, le=1, description='Predicted boxes drawn at or above this score.')
 
 
 class Export(_Section):
-    opset: int = Field(default=17, ge=11)
-    num_images: int = Field(default=4, ge=1)
-    score_threshold: float = Field(default=0.05, ge=0, le=1)
-    iou_match: float = Field(default=0.99, gt=0, le=1)
-    min_match: float = Field(default=0.99, ge=0, le=1)
+    opset: int = Field(default=17, ge=11, description='ONNX opset version.')
+    num_images: int = Field(default=4, ge=1, description='Val images used by the parity check.')
+    score_threshold: float = Field(default=0.05, ge=0, le=1, description='Eager detections at or above this score must be matched by each exported model.')
+    iou_match: float = Field(default=0.99, gt=0, le=1, description='IoU at or above which an exported detection matches an eager one (same label).')
+    min_match: float = Field(default=0.99, ge=0, le=1, description='Share of eager detections each exported model must match, else the stage fails.')
 
 
 class Flows(_Section):
-    retries: int = Field(default=1, ge=0)
-    retry_delay_s: float = Field(default=10, ge=0)
+    retries: int = Field(default=1, ge=0, description='Retries of each stage task in the Prefect flow.')
+    retry_delay_s: float = Field(default=10, ge=0, description="Seconds between a stage task's retries.")
 
 
 class Params(_Section):
-    download: Download
-    convert: Convert
-    augment: Augment
-    train: Train
-    evaluate: Evaluate
-    export: Export
-    flows: Flows
+    """The whole params.yaml: one section per stage, plus the Prefect flow's settings."""
+
+    download: Download = Field(description='Fetch the dataset into data/raw.')
+    convert: Convert = Field(description='COCO JSON + images -> Arrow shards, validated.')
+    augment: Augment = Field(description='Decode/resize cache the loader reads.')
+    train: Train = Field(description='Training (torchrun, DDP).')
+    evaluate: Evaluate = Field(description='COCO evaluation on val.')
+    export: Export = Field(description='TorchScript/ONNX export and parity gate.')
+    flows: Flows = Field(description='Prefect flow settings.')
 
 
 def load(section: str | None = None, path: Path | str = PARAMS_FILE):

@@ -62,3 +62,13 @@ def test_dvc_yaml_code_deps_follow_the_imports():
         code = {d for d in deps if d.endswith(".py")}
         want = code_closure(ROOT / "stages" / f"{name}.py") - {"detpipe/__init__.py", "stages/__init__.py"}
         assert code == want, f"{name}: dvc.yaml lists {sorted(code - want)} extra, misses {sorted(want - code)}"
+
+
+def test_every_param_is_described():
+    """Every field of every params section carries a description (the Prefect deployment's schema shows it)."""
+    from detpipe import params as params_mod
+
+    for section, field in params_mod.Params.model_fields.items():
+        assert field.description, section
+        for name, info in field.annotation.model_fields.items():
+            assert info.description and len(info.description) > 10, f"{section}.{name} has no description"
