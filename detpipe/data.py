@@ -24,7 +24,7 @@ import pyarrow.fs as pafs
 import pyarrow.ipc as ipc
 import torch
 from pycocotools import mask as mask_utils
-from torch.utils.data import Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from detpipe.io import filesystem as open_filesystem
 from detpipe.errors import StageError
@@ -450,3 +450,29 @@ def read_meta(path: str | Path) -> dict:
         raise StageError(f"{path}: not found (run the previous stages first)") from None
     except json.JSONDecodeError as e:
         raise StageError(f"{path}: not valid JSON ({e})") from None
+
+
+def micro_batches(dataset: CachedDetectionDataset, sampler: ResumableDistributedSampler, start_iter: int,
+                  iters_per_epoch: int, batch_size: int, accumulate: int, num_workers: int = 0,
+                  pin_memory: bool = False) -> Iterator[list[tuple[list[torch.Tensor], list[dict]]]]:
+    """Endless training input from iteration ``start_iter`` on: each item is one optimizer step's list of
+    ``accumulate`` micro-batches ``(images, targets)`` as `collate` returns them (this rank's share).
+
+    Epoch ``e`` covers iterations ``e * iters_per_epoch ..``; the sampler is positioned from ``start_iter``, so
+    a resumed run reads exactly what an uninterrupted one would. Incomplete batches at an epoch's end are
+    dropped (``drop_last``).
+    """
+    it = start_iter
+    while True:
+        epoch, pos = divmod(it, iters_per_epoch)
+        sampler.set_epoch(epoch, pos * batch_size * accumulate)
+        dataset.set_epoch(epoch)
+        loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
+                            collate_fn=collate, drop_last=True, pin_memory=pin_memory)
+        micro = []
+        for batch in loader:
+            micro.append(batch)
+            if len(micro) == accumulate:
+                yield micro
+                micro = []
+                it += 1

@@ -184,12 +184,19 @@ def read_url_bytes(url: str | Path, what: str) -> bytes:
     Raises:
         StageError: the file does not exist or cannot be read (names ``what``, the location and the reason).
     """
-    fs, path = filesystem(url)
     try:
-        if fs is None:
-            return Path(path).read_bytes()
+        if "://" not in str(url):
+            return Path(url).read_bytes()
+        if str(url).split("://", 1)[0].lower() in ("http", "https"):
+            import fsspec  # whole-file read: works with servers that refuse Range requests
+
+            with fsspec.open(str(url), "rb", block_size=0) as f:
+                return f.read()
+        fs, path = filesystem(url)
         with fs.open_input_stream(path) as f:
             return f.read()
+    except StageError:
+        raise
     except FileNotFoundError:
         raise StageError(f"{what}: '{url}' not found") from None
     except Exception as e:  # pyarrow / fsspec raise OSError and backend-specific errors

@@ -29,12 +29,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader
 
 from detpipe import params as params_mod
 from detpipe.io import join_url, read_url_bytes
 from detpipe.errors import StageError, run_stage
-from detpipe.data import (CachedDetectionDataset, ResumableDistributedSampler, check_cache_masks, collate, read_meta,
+from detpipe.data import (CachedDetectionDataset, micro_batches, ResumableDistributedSampler, check_cache_masks, read_meta,
                          uses_masks)
 from detpipe.hooks import (CheckpointHook, EMAHook, EvalHook, LRScheduleHook, MetricsHook, ProgressHook, Timer,
                           TrainerBase, all_reduce_flag, check_bad_steps, list_checkpoints, rng_state, save_atomic,
@@ -88,23 +87,6 @@ class Trainer(TrainerBase):
         self.fingerprint = ""
         self._data = None
 
-    def _batches(self):
-        it = self.iter
-        while True:
-            epoch, pos = divmod(it, self.iters_per_epoch)
-            self.sampler.set_epoch(epoch, pos * self.cfg.batch_size * self.cfg.accumulate)
-            self.dataset.set_epoch(epoch)
-            loader = DataLoader(self.dataset, batch_size=self.cfg.batch_size, sampler=self.sampler,
-                                num_workers=self.cfg.num_workers, collate_fn=collate, drop_last=True,
-                                pin_memory=self.device.type == "cuda")
-            micro = []
-            for batch in loader:
-                micro.append(batch)
-                if len(micro) == self.cfg.accumulate:
-                    yield micro
-                    micro = []
-                    it += 1
-
     def _forward(self, images, targets) -> tuple[torch.Tensor, dict]:
         # channels_last applies to the model's weights (set in build_trainer): the model's transform batches these
         # 3-D images into one 4-D tensor, and its convolutions then run channels-last.
@@ -120,7 +102,9 @@ class Trainer(TrainerBase):
         A non-finite loss on any rank skips the step on every rank and is counted."""
         timer = Timer()
         if self._data is None:
-            self._data = self._batches()
+            self._data = micro_batches(self.dataset, self.sampler, self.iter, self.iters_per_epoch,
+                                       self.cfg.batch_size, self.cfg.accumulate, self.cfg.num_workers,
+                                       pin_memory=self.device.type == "cuda")
         micro = next(self._data)
         data_time = timer.lap()
         self.optimizer.zero_grad(set_to_none=True)
