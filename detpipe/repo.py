@@ -59,6 +59,20 @@ def _ancestors() -> set[int]:
     return {me.pid} | {p.pid for p in me.parents()}
 
 
+def _alive(pid: int, written_at: float | None = None) -> bool:
+    """Whether ``pid`` runs (a zombie does not). With ``written_at`` (the mtime of the file that names the PID,
+    seconds since the epoch), a process started more than 1 s after it cannot be the one named: a reused PID."""
+    try:
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return False
+        return written_at is None or proc.create_time() <= written_at + 1.0
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.Error:  # another user's process: assume it is the one named
+        return True
+
+
 def _is_pipeline_command(cmdline: list[str]) -> bool:
     """``dvc ...`` (console script or ``-m dvc``), ``python -m stages.<name>``, torchrun and its workers."""
     names = [os.path.basename(a) for a in cmdline[:2]]
@@ -87,21 +101,26 @@ def _rwlock_holders(root: Path) -> tuple[list[dict] | None, str | None]:
 def live_processes(root: Path | str) -> list[str]:
     """Live processes that may be writing the repository at ``root``, one description each.
 
-    A process counts when the rwlock names its PID (``psutil.pid_exists``, as DVC itself checks: a reused PID
-    counts too), or when it is not this process or one of its ancestors, its working directory is inside
-    ``root``, and it runs ``dvc``, ``python -m stages.<name>`` or torchrun. A process whose working directory
-    cannot be read (another user's) counts when its command line is one of those.
+    A process counts when the rwlock names its PID, it runs (not a zombie) and it started before the rwlock was
+    last written (else the PID was reused); or when it is not this process or one of its ancestors, its
+    working directory is inside ``root``, and it runs ``dvc``, ``python -m stages.<name>`` or torchrun. A
+    process whose working directory cannot be read (another user's) counts when its command line is one of
+    those.
     """
     root = Path(root).resolve()
     found = []
     holders, _ = _rwlock_holders(root)
+    try:
+        written_at = (root / RWLOCK).stat().st_mtime
+    except FileNotFoundError:
+        written_at = None
     for info in holders or []:
-        if psutil.pid_exists(info["pid"]):
+        if _alive(info["pid"], written_at):
             found.append(f"PID {info['pid']} ({info['cmd']}) holds DVC stage locks in {RWLOCK}")
     mine = _ancestors()
     for proc in psutil.process_iter(["pid", "cmdline"]):
         cmdline = proc.info["cmdline"] or []
-        if proc.info["pid"] in mine or not _is_pipeline_command(cmdline):
+        if proc.info["pid"] in mine or not _is_pipeline_command(cmdline) or not _alive(proc.info["pid"]):
             continue
         try:
             cwd = Path(proc.cwd()).resolve()

@@ -274,3 +274,25 @@ def test_repair_leaves_a_live_dvc_alone(work):
     assert any(".out.tmp-livestage" in a for a in actions) and not temp.exists(), actions
     (work / "dvc.yaml").write_text(dvc_yaml)
     _assert_reproduced(work, 5)
+
+
+@pytest.mark.parametrize("rwlock_age_s", [0, 3600])
+def test_repair_tells_a_reused_pid_from_the_dvc_that_wrote_the_rwlock(work, rwlock_age_s):
+    """An rwlock naming a live PID blocks `repair` while that process may be its writer; a process started
+    after the rwlock was last written (an hour ago here) cannot be, so its PID was reused: the lock is released."""
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        time.sleep(0.2)
+        rwlock = work / ".dvc/tmp/rwlock"
+        rwlock.write_text(json.dumps({"write": {str(work / "out"): {"pid": other.pid, "cmd": "dvc repro"}}}))
+        written = time.time() - rwlock_age_s
+        os.utime(rwlock, (written, written))
+        actions = detrepo.repair(work)
+    finally:
+        other.kill()
+        other.wait()
+    if rwlock_age_s == 0:
+        assert len(actions) == 1 and actions[0].startswith(detrepo.SKIPPED) and str(other.pid) in actions[0]
+        assert rwlock.exists()
+    else:
+        assert any("stage locks of killed DVC processes" in a for a in actions) and not rwlock.exists(), actions
