@@ -192,16 +192,14 @@ def _complete_stages(text: str) -> dict:
         start = next(i for i, line in enumerate(lines) if line.rstrip() == "stages:")
     except StopIteration:
         return {}
-    cut = len(lines)  # without a later top-level key, the last stage may be incomplete: cut at its key line
-    keys = []
+    keys = []  # line numbers of the stage keys, and of the next top-level key if any
     for i in range(start + 1, len(lines)):
         if re.match(r"\S", lines[i]):  # the next top-level key: every stage above it is complete
             keys.append(i)
             break
         if re.match(r"  [^ \-#]", lines[i]):
             keys.append(i)
-    if keys:
-        cut = keys[-1]
+    cut = keys[-1] if keys else len(lines)  # the last stage may be incomplete unless a top-level key follows
     try:
         data = COMPILED_LOCKFILE_SCHEMA(parse_yaml("".join(lines[:cut]), "dvc.lock (complete part)"))
     except Exception:  # noqa: BLE001 - a prefix that does not parse keeps nothing
@@ -250,9 +248,9 @@ def _repair_lockfile(root: Path) -> list[str]:
         for name, entry in _valid_stages(fallback, label).items():
             if name not in stages:
                 stages[name], source[name] = entry, label
-    os.replace(path, root / LOCK_CORRUPT)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = root / ".dvc" / "tmp" / f"dvc.lock.new-{os.getpid()}"
     dump_yaml(tmp, {"schema": "2.0", "stages": stages})
+    shutil.copyfile(path, root / LOCK_CORRUPT)
     os.replace(tmp, path)
     by_source: dict[str, list[str]] = {}
     for name, label in source.items():
