@@ -18,7 +18,8 @@ from PIL import Image, ImageDraw
 from pycocotools import mask as mask_utils
 
 from detpipe.errors import StageError
-from stages.convert import RULES, SCHEMA, convert, inspect_image, split_ids
+from detpipe.coco import RULES
+from stages.convert import SCHEMA, convert, inspect_image, split_ids
 from detpipe.imageio import decode_rgb
 from detpipe.params import Convert
 
@@ -560,17 +561,34 @@ def test_explicit_val_file(tmp_path, coco):
     assert res["meta"]["splits"]["val"]["annotations"] == len(val["annotations"])
 
 
-def test_explicit_val_duplicate_of_train_id(tmp_path, coco):
+def _renumber(data: dict, start: int) -> None:
+    """Number the file's images start, start+1, ... (as BCCD/Roboflow exports do per split)."""
+    new = {im["id"]: start + k for k, im in enumerate(data["images"])}
+    for im in data["images"]:
+        im["id"] = new[im["id"]]
+    for a in data["annotations"]:
+        a["image_id"] = new[a["image_id"]]
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_explicit_val_file_has_its_own_id_space(tmp_path, coco, overlap):
+    """A val file whose ids restart at 1 (so they overlap train's) keeps its whole split; ids are unique per
+    file only. A repeated id within the val file is still a duplicate (counted under split val)."""
     def edit(val, train):
-        val["images"][0]["id"] = train["images"][0]["id"]
-        for a in val["annotations"]:
-            if a["image_id"] == coco["images"][6]["id"]:
-                a["image_id"] = train["images"][0]["id"]
+        _renumber(train, 1)
+        _renumber(val, 1 if overlap else 100)
+        val["images"].append(dict(val["images"][0], file_name="again.jpg"))
     raw, train, val = _two_files(tmp_path, coco, edit)
     res = run(raw, val_annotations="annotations/instances_val2017.json", val_images="val2017")
     assert findings(res) == {"duplicate_image_id": 1}
-    assert "train file" in res["report"]["rules"]["duplicate_image_id"]["examples"][0]["detail"]
-    assert len(read_rows(tmp_path / "arrow", "val")) == 2
+    example = res["report"]["rules"]["duplicate_image_id"]["examples"][0]
+    assert example["split"] == "val" and example["record"] == f"image id {val['images'][0]['id']}"
+    val_rows = read_rows(tmp_path / "arrow", "val")
+    assert [(r["image_id"], r["file_name"]) for r in val_rows] == [(i["id"], i["file_name"])
+                                                                    for i in val["images"][:3]]
+    assert sum(len(r["ann_id"]) for r in val_rows) == len(val["annotations"])
+    assert len(read_rows(tmp_path / "arrow", "train")) == 6
+    assert res["report"]["splits"]["val"]["images_out"] == 3
 
 
 def test_explicit_val_categories_must_agree(tmp_path, coco):
@@ -639,7 +657,6 @@ def _malformed_cases():
         "iscrowd": (lambda d: d["annotations"][0].update(iscrowd=2), "key 'iscrowd' must be 0 or 1"),
         "category_name": (lambda d: d["categories"][0].pop("name"), "categories[0] (id 1): key 'name'"),
         "id_too_big": (lambda d: d["annotations"][0].update(id=2**63), "key 'id' must be in"),
-        "segmentation": (lambda d: d["annotations"][0].update(segmentation="x"), "key 'segmentation'"),
     }
 
 
@@ -665,7 +682,7 @@ def test_malformed_json_is_one_line_error(tmp_path, coco, case):
 
 def test_missing_annotation_file_and_image_folder(tmp_path, coco):
     raw = write_raw(tmp_path, subset(coco, BASE_IDS))
-    with pytest.raises(StageError, match=r"instances_val2017.json: annotation file not found$"):
+    with pytest.raises(StageError, match=r"instances_val2017.json: annotation file not found \(rule 'json_invalid'\)$"):
         run(raw, annotations="annotations/instances_val2017.json")
     with pytest.raises(StageError, match="image folder not found"):
         run(raw, images="val2017")
@@ -675,7 +692,7 @@ def test_missing_annotation_file_and_image_folder(tmp_path, coco):
 
 def test_empty_train_split_is_an_error(tmp_path, coco):
     raw = write_raw(tmp_path, subset(coco, BASE_IDS), {f"{i:012d}.jpg": None for i in BASE_IDS})
-    with pytest.raises(StageError, match="no usable images"):
+    with pytest.raises(StageError, match="no usable images in the train split .*rule 'split_emptied'"):
         run(raw)
 
 
@@ -697,6 +714,6 @@ def test_cli(tmp_path, coco):
     assert bad.returncode == 2
     assert "Traceback" not in bad.stderr
     lines = bad.stderr.strip().splitlines()
-    assert lines[-1] == f"error: data/raw/{ANN}: missing key 'categories'"
+    assert lines[-1] == f"error: data/raw/{ANN}: missing key 'categories' (rule 'coco_schema')"
     assert sum(line.startswith("error:") for line in lines) == 1
     assert {p: p.read_bytes() for p in (tmp_path / "data" / "arrow").rglob("*") if p.is_file()} == before

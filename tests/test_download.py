@@ -23,7 +23,9 @@ import pytest
 import yaml
 
 from detpipe.errors import StageError
-from stages.download import download, extract, fetch, folder_sha256, http_fetch
+from detpipe.fetch import extract, fetch, http_fetch
+from detpipe.io import folder_sha256
+from stages.download import download
 
 try:
     from s3server import s3_server  # noqa: F401  (pytest fixture; tests/ is on sys.path under pytest)
