@@ -144,7 +144,7 @@ def load_json(path: Path) -> tuple[Any, bool]:
     try:
         return orjson.loads(text), True
     except orjson.JSONDecodeError as e:
-        if "recursion" in str(e).lower():
+        if "depth limit" in str(e) or "recursion" in str(e).lower():
             raise StageError(f"{path}: JSON nested deeper than 1024 levels (rule 'json_too_deep')") from None
     try:
         return json.loads(text), False

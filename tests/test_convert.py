@@ -717,3 +717,129 @@ def test_cli(tmp_path, coco):
     assert lines[-1] == f"error: data/raw/{ANN}: missing key 'categories' (rule 'coco_schema')"
     assert sum(line.startswith("error:") for line in lines) == 1
     assert {p: p.read_bytes() for p in (tmp_path / "data" / "arrow").rglob("*") if p.is_file()} == before
+
+
+# ------------------------------------------------------------------ bad input through the stage (subprocess)
+
+
+def _stage(tmp_path: Path, data: dict | bytes, *, val: dict | None = None, **convert_params):
+    """Run ``python -m stages.convert`` in a project folder holding ``data`` (a COCO dict, or raw bytes of the
+    annotation file) over COCO128 images and params.yaml with ``convert_params``; returns the process."""
+    import yaml
+
+    work = tmp_path / "work"
+    (work / "data").mkdir(parents=True)
+    raw = write_raw(work / "data", data if isinstance(data, dict) else subset({"categories": [], "images": [],
+                                                                             "annotations": []}, []))
+    if isinstance(data, bytes):
+        (raw / ANN).write_bytes(data)
+    if val is not None:
+        write_raw(work / "data", val, images="val2017", ann="annotations/instances_val2017.json")
+        convert_params.update(val_annotations="annotations/instances_val2017.json", val_images="val2017")
+    p = yaml.safe_load((REPO / "params.yaml").read_text())
+    p["convert"].update(workers=1, **convert_params)
+    (work / "params.yaml").write_text(yaml.safe_dump(p))
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, "-m", "stages.convert"], cwd=work, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def _error_line(res) -> str:
+    assert res.returncode == 2, res.stderr
+    assert "Traceback" not in res.stderr
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith("error: ") and sum(line.startswith("error:") for line in lines) == 1, res.stderr
+    return lines[-1]
+
+
+def _error_cases(coco):
+    def with_name(name):
+        data = subset(coco, BASE_IDS)
+        data["images"][0]["file_name"] = name
+        return data
+    deep = b'{"images": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    return {
+        "nul_file_name": (with_name("0000\x00.jpg"), "file_name_invalid", "images[0] (id 9): key 'file_name'"),
+        "surrogate_file_name": (with_name("0000\ud800.jpg"), "file_name_invalid", "images[0] (id 9)"),
+        "deep_json_orjson": (deep, "json_too_deep", ANN),
+        "deep_json_fallback": (b'{"x": NaN, ' + deep[1:], "json_too_deep", ANN),
+    }
+
+
+@pytest.mark.parametrize("case", ["nul_file_name", "surrogate_file_name", "deep_json_orjson", "deep_json_fallback"])
+def test_stage_bad_input_is_one_error_line_with_its_rule(tmp_path, coco, case):
+    data, rule, where = _error_cases(coco)[case]
+    line = _error_line(_stage(tmp_path, data))
+    assert line.endswith(f"(rule '{rule}')") and where in line, line
+    assert not (tmp_path / "work" / "data" / "arrow").exists()
+
+
+def test_stage_a_rule_that_empties_the_val_split_is_an_error(tmp_path, coco):
+    """A val file whose every image is missing (here: listed under names not in the folder) stops the stage
+    instead of training on without a val split."""
+    val = subset(coco, [i["id"] for i in coco["images"][6:9]])
+    for im in val["images"]:
+        im["file_name"] = "missing-" + im["file_name"]
+    line = _error_line(_stage(tmp_path, subset(coco, BASE_IDS), val=val))
+    assert "instances_val2017.json: no usable images in the val split (3 listed; findings: image_missing=3)" in line
+    assert line.endswith("(rule 'split_emptied')")
+
+
+BIG = 10 ** 400                  # beyond float64: float(BIG) raises OverflowError
+
+
+def _bad_annotations(coco) -> tuple[dict, dict[int, str]]:
+    """COCO128 image 9 (640x480, 8 annotations) with each annotation breaking one rule:
+    {annotation id: expected rule}."""
+    data = subset(coco, [9])
+    anns = data["annotations"]
+    h, w = data["images"][0]["height"], data["images"][0]["width"]
+    edits = [
+        ("bbox_not_finite", dict(bbox=[BIG, 0, 5, 5])),                       # 400-digit integer
+        ("bbox_not_finite", dict(bbox=[1, 1, 1e39, 5])),                      # inf once float32
+        ("bbox_nonpositive", dict(bbox=[1, 1, 1e-50, 5])),                    # 0 once float32
+        ("area_missing", dict(area=BIG)),
+        ("segmentation_invalid", dict(segmentation=[[1, 2, 3, 4, 5, 6, 7]])),  # odd length
+        ("segmentation_invalid", dict(segmentation=[[1, 2, 3, BIG, 5, 6]])),
+        ("segmentation_invalid", dict(segmentation={"size": [h, w], "counts": [5, 7]}, iscrowd=1)),
+        ("segmentation_invalid", dict(segmentation={"size": [10, 10], "counts": [100]}, iscrowd=1)),
+    ]
+    expected = {}
+    for ann, (rule, edit) in zip(anns, edits):
+        ann.update(edit)
+        expected[ann["id"]] = rule
+    data["annotations"].append(dict(anns[0], id=99, bbox=[1, 1, 5, 5], iscrowd=1,
+                                    segmentation={"size": [h, w], "counts": "zz~"}))   # not RLE digits
+    expected[99] = "segmentation_invalid"
+    return data, expected
+
+
+def test_stage_counts_every_bad_number_and_segmentation_under_its_rule(tmp_path, coco):
+    data, expected = _bad_annotations(coco)
+    res = _stage(tmp_path, data, val_fraction=0.0)
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
+    out = tmp_path / "work" / "data" / "arrow"
+    report = json.loads((out / "report.json").read_text())
+    got = {rule: v["count"] for rule, v in report["rules"].items() if v["count"]}
+    want: dict[str, int] = {}
+    for rule in expected.values():
+        want[rule] = want.get(rule, 0) + 1
+    assert got == want
+    for aid, rule in expected.items():
+        assert any(e["record"] == f"annotation id {aid} (image id 9)" for e in report["rules"][rule]["examples"]) \
+            or report["rules"][rule]["count"] > 5, (aid, rule)
+    (row,) = read_rows(out)
+    dropped = {aid for aid, rule in expected.items() if rule.startswith("bbox_")}
+    assert sorted(row["ann_id"]) == sorted(a["id"] for a in data["annotations"] if a["id"] not in dropped)
+    segs = dict(zip(row["ann_id"], row["segmentation"]))
+    assert all(segs[aid] == "" for aid, rule in expected.items() if rule == "segmentation_invalid")
+    areas = dict(zip(row["ann_id"], row["area"]))
+    big_area = next(aid for aid, rule in expected.items() if rule == "area_missing")
+    assert 0 < areas[big_area] < 640 * 480
+    assert all(w > 0 and h > 0 for _, _, w, h in row["bbox"])
+
+
+def test_stage_strict_error_from_a_worker_names_the_rule(tmp_path, coco):
+    data, _ = _bad_annotations(coco)
+    line = _error_line(_stage(tmp_path, data, val_fraction=0.0, strict=True))
+    assert "annotation id" in line and "(image id 9)" in line and "rule 'bbox_not_finite'" in line, line
