@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import struct
 from pathlib import Path, PurePosixPath
 from typing import Any, Callable, Sequence
 
@@ -315,6 +316,19 @@ def _is_real(v: Any, limit: float = FLOAT64_MAX) -> bool:
     return type(v) is float and math.isfinite(v) and -limit <= v <= limit
 
 
+_F32 = struct.Struct("<f")
+
+
+def _f32(v: float) -> float:
+    """``v`` rounded to the nearest float32 (IEEE round-to-nearest, as numpy's cast), as a Python float; +-inf
+    beyond float32 range. Exact: float32 sums/differences computed in float64 and rounded once are the float32
+    results (float64 has more than 2 x 24 + 2 significand bits)."""
+    try:
+        return _F32.unpack(_F32.pack(v))[0]
+    except OverflowError:
+        return math.copysign(math.inf, v)
+
+
 def rle_counts(counts: str) -> list[int]:
     """Run lengths of a COCO compressed RLE ``counts`` string (the LEB128-like code of pycocotools'
     ``rleFrString``, maskApi.c: 6-bit groups offset by 48, 0x20 = more, 0x10 = sign; from the third run on each
@@ -356,7 +370,13 @@ def segmentation_problem(seg: Any, height: int, width: int) -> str | None:
         for k, poly in enumerate(seg):
             if not isinstance(poly, list) or len(poly) < 6 or len(poly) % 2:
                 return f"polygon {k} must be [x1, y1, x2, y2, ...] with an even number >= 6 of values"
-            if not all(_is_real(v) for v in poly):
+            # numpy infers an int/float dtype only when every value is a number; strings, nested lists and
+            # integers beyond 64 bits give another dtype or fail (no float conversion of a huge int happens)
+            try:
+                kind = (arr := np.asarray(poly)).dtype.kind
+            except ValueError:
+                kind = "O"
+            if kind not in "iuf" or (kind == "f" and not np.isfinite(arr).all()):
                 return f"polygon {k} holds a value that is not a finite number"
         return None
     if not isinstance(seg, dict):
@@ -435,23 +455,21 @@ def clean_annotations(anns: list[dict], frame: Frame, labels: dict[int, int], re
         if not all(_is_real(v) for v in given):
             add("bbox_not_finite", f"bbox {given!r:.80}")
             continue
-        with np.errstate(over="ignore"):
-            x, y, w, h = np.asarray(given, dtype=np.float64).astype(np.float32)
+        x, y, w, h = (_f32(v) for v in given)
         if not all(math.isfinite(v) for v in (x, y, w, h)):
             add("bbox_not_finite", f"bbox {given!r:.80}: beyond float32 range")
             continue
         if w <= 0 or h <= 0:
             add("bbox_nonpositive", f"bbox {given!r:.80}: width or height <= 0 as float32")
             continue
-        with np.errstate(over="ignore"):
-            xe, ye = x + w, y + h                        # float32 sums, as a reader of the stored box gets
-        x0, y0, x1, y1 = max(x, np.float32(0)), max(y, np.float32(0)), min(xe, np.float32(jw)), min(ye, np.float32(jh))
+        xe, ye = _f32(x + w), _f32(y + h)                # float32 sums, as a reader of the stored box gets
+        x0, y0, x1, y1 = max(x, 0.0), max(y, 0.0), min(xe, float(jw)), min(ye, float(jh))
         if x1 <= x0 or y1 <= y0:
             add("bbox_outside", f"bbox {given!r:.80} does not overlap the {jw}x{jh} image")
             continue
-        box = [float(v) for v in (x, y, w, h)]
+        box = [x, y, w, h]
         if (x0, y0, x1, y1) != (x, y, xe, ye):
-            box = [float(x0), float(y0), float(x1 - x0), float(y1 - y0)]
+            box = [x0, y0, _f32(x1 - x0), _f32(y1 - y0)]
             add("bbox_clipped", f"bbox {given!r:.80} clipped to {box} ({jw}x{jh} image)")
         crowd = ann.get("iscrowd")
         if crowd is None:

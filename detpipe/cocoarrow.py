@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any, Iterator
 
+import numpy as np
 import orjson
 import pyarrow as pa
 
@@ -42,6 +44,8 @@ SCHEMA = pa.schema(
 SHARD_MB_BYTES = 1_000_000          # convert.shard_mb unit: 1 MB = 10^6 bytes of image bytes
 BATCH_BYTES = 16 << 20              # image bytes per Arrow record batch (bounds a worker's memory)
 BATCH_ROWS = 1024
+SPREAD_SHARDS = 16                  # shards per split at least, while each keeps MIN_SHARD_BYTES (balance)
+MIN_SHARD_BYTES = 8_000_000
 _OBJECT_COLUMNS = ("ann_id", "bbox", "category_id", "label", "iscrowd", "area", "segmentation")
 
 
@@ -85,8 +89,20 @@ class _Batch:
         self.nbytes += len(row["image"])
 
     def record_batch(self) -> pa.RecordBatch:
-        arrays = [pa.array(self.cols[f.name], type=f.type) for f in SCHEMA]
+        arrays = [_binary(self.cols[f.name]) if f.name == "image" else pa.array(self.cols[f.name], type=f.type)
+                  for f in SCHEMA]
         return pa.RecordBatch.from_arrays(arrays, schema=SCHEMA)
+
+
+def _binary(blobs: list[bytes]) -> pa.Array:
+    """``pa.array(blobs, pa.binary())`` with one copy of the bytes (``b"".join``) instead of a growing builder
+    (4-5x faster on COCO-sized JPEGs)."""
+    offsets = np.zeros(len(blobs) + 1, dtype=np.int64)
+    np.cumsum([len(b) for b in blobs], out=offsets[1:])
+    if offsets[-1] >= 1 << 31:                           # beyond int32 offsets: let pyarrow say so
+        return pa.array(blobs, type=pa.binary())
+    return pa.Array.from_buffers(pa.binary(), len(blobs),
+                                 [None, pa.py_buffer(offsets.astype(np.int32)), pa.py_buffer(b"".join(blobs))])
 
 
 def _dumps(obj: Any, fast: bool) -> str:
@@ -195,21 +211,29 @@ def convert_shard(task: ShardTask) -> ShardResult:
 
 def plan_shards(split: str, entries: list[Entry], images_dir: Path, out_dir: Path, ann_file: Path,
                 fast_json: bool, labels: dict, shard_mb: float, strict: bool) -> Iterator[ShardTask]:
-    """Yield shard tasks lazily: consecutive images while their file sizes sum to <= ``shard_mb`` x 10^6
-    bytes (a larger image gets a shard of its own). Writes go to ``out_dir/<split>/part-NNNNN.arrow``."""
-    limit = shard_mb * SHARD_MB_BYTES
+    """Yield the shard tasks of one split: runs of consecutive images whose file sizes sum to at most
+    ``shard_mb`` x 10^6 bytes (a larger image gets a shard of its own), the bytes spread evenly over the
+    shards, and at least `SPREAD_SHARDS` shards where the split holds `MIN_SHARD_BYTES` per shard, so that a few
+    workers get about the same work (3 shards on 2 workers would leave one idle half the time). The layout
+    depends on the files only, not on the number of workers. Writes go to ``out_dir/<split>/part-NNNNN.arrow``."""
+    sizes = []
+    for entry in entries:
+        try:
+            sizes.append(os.stat(images_dir / entry.file_name).st_size)
+        except OSError:
+            sizes.append(0)              # missing or unreadable: counted by the worker
+    total = sum(sizes)
+    cap = shard_mb * SHARD_MB_BYTES
+    n = max(1, math.ceil(total / cap), min(SPREAD_SHARDS, total // MIN_SHARD_BYTES))
+    target = total / n                   # cut at the image boundary nearest to it, never above cap
     index, cur, cur_bytes = 0, [], 0
 
     def task() -> ShardTask:
         return ShardTask(split, index, str(out_dir / split / f"part-{index:05d}.arrow"), str(images_dir),
                          str(ann_file), labels, strict, fast_json, cur)
 
-    for entry in entries:
-        try:
-            size = os.stat(images_dir / entry.file_name).st_size
-        except OSError:
-            size = 0                     # missing: counted by the worker
-        if cur and cur_bytes + size > limit:
+    for entry, size in zip(entries, sizes):
+        if cur and (cur_bytes + size > cap or cur_bytes + size / 2 > target):
             yield task()
             index, cur, cur_bytes = index + 1, [], 0
         cur.append(entry)
