@@ -370,13 +370,13 @@ def segmentation_problem(seg: Any, height: int, width: int) -> str | None:
         for k, poly in enumerate(seg):
             if not isinstance(poly, list) or len(poly) < 6 or len(poly) % 2:
                 return f"polygon {k} must be [x1, y1, x2, y2, ...] with an even number >= 6 of values"
-            # numpy infers an int/float dtype only when every value is a number; strings, nested lists and
-            # integers beyond 64 bits give another dtype or fail (no float conversion of a huge int happens)
+            # one C-level pass: strings and nested lists raise TypeError; NaN/inf propagate to the sum; an integer
+            # beyond float64 raises OverflowError when added to a float or, in an all-integer sum, in isfinite
             try:
-                kind = (arr := np.asarray(poly)).dtype.kind
-            except ValueError:
-                kind = "O"
-            if kind not in "iuf" or (kind == "f" and not np.isfinite(arr).all()):
+                finite = math.isfinite(sum(poly))
+            except (TypeError, OverflowError):
+                finite = False
+            if not finite:
                 return f"polygon {k} holds a value that is not a finite number"
         return None
     if not isinstance(seg, dict):
