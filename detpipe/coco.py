@@ -382,11 +382,12 @@ def segmentation_problem(seg: Any, height: int, width: int) -> str | None:
     if not isinstance(seg, dict):
         return f"must be an array (polygons) or an object (RLE), got {_jtype(seg)}"
     size, counts = seg.get("size"), seg.get("counts")
-    if size != [height, width] or not all(type(v) is int for v in size):
-        return f"RLE size {size!r:.40} is not the image's [height, width] [{height}, {width}]"
-    if isinstance(counts, str):
+    if not isinstance(size, (list, tuple)) or list(size) != [height, width] or \
+            not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in size):
+        return f"RLE size {size!r:.40} != image [height, width] [{height}, {width}]"
+    if isinstance(counts, (str, bytes)):
         try:
-            runs = rle_counts(counts)
+            runs = rle_counts(counts.decode("ascii", "replace") if isinstance(counts, bytes) else counts)
         except ValueError as e:
             return f"RLE counts do not decode ({e})"
     elif isinstance(counts, list) and all(type(v) is int for v in counts):
