@@ -11,7 +11,7 @@ import json
 import math
 import struct
 from pathlib import Path, PurePosixPath
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import orjson
@@ -199,36 +199,30 @@ def check_coco(data: Any, path: Path) -> None:
         if not isinstance(data[key], list):
             fail("", f"key '{key}' must be an array (got {_jtype(data[key])})")
 
+    def records(key: str) -> Iterator[tuple[dict, str]]:
+        """Each record of ``data[key]`` (checked to be an object with an int64 ``id``) and its name."""
+        for i, rec in enumerate(data[key]):
+            if not isinstance(rec, dict):
+                fail(f"{key}[{i}]: ", f"must be an object (got {_jtype(rec)})")
+            need_int(rec, "id", f"{key}[{i}]: ")
+            yield rec, f"{key}[{i}] (id {rec['id']}): "
+
     seen_cats = set()
-    for i, cat in enumerate(data["categories"]):
-        where = f"categories[{i}]: "
-        if not isinstance(cat, dict):
-            fail(where, f"must be an object (got {_jtype(cat)})")
-        need_int(cat, "id", where)
+    for cat, where in records("categories"):
         if not isinstance(cat.get("name"), str):
-            fail(f"categories[{i}] (id {cat['id']}): ", f"key 'name' must be a string (got {_jtype(cat.get('name'))})")
+            fail(where, f"key 'name' must be a string (got {_jtype(cat.get('name'))})")
         if cat["id"] in seen_cats:
-            fail(f"categories[{i}] (id {cat['id']}): ", "duplicate category id")
+            fail(where, "duplicate category id")
         seen_cats.add(cat["id"])
 
-    for i, im in enumerate(data["images"]):
-        where = f"images[{i}]: "
-        if not isinstance(im, dict):
-            fail(where, f"must be an object (got {_jtype(im)})")
-        need_int(im, "id", where)
-        where = f"images[{i}] (id {im['id']}): "
+    for im, where in records("images"):
         problem = _file_name_problem(im.get("file_name"))
         if problem:
             fail(where, f"key 'file_name' {problem}", "file_name_invalid")
         need_int(im, "width", where, 1, INT32_MAX)
         need_int(im, "height", where, 1, INT32_MAX)
 
-    for i, ann in enumerate(data["annotations"]):
-        where = f"annotations[{i}]: "
-        if not isinstance(ann, dict):
-            fail(where, f"must be an object (got {_jtype(ann)})")
-        need_int(ann, "id", where)
-        where = f"annotations[{i}] (id {ann['id']}): "
+    for ann, where in records("annotations"):
         need_int(ann, "image_id", where)
         need_int(ann, "category_id", where)
         box = ann.get("bbox")
