@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from detpipe.coco import segmentation_problem
 from detpipe.errors import StageError
 
 STAT_NAMES = ("AP", "AP50", "AP75", "APs", "APm", "APl", "AR1", "AR10", "AR100", "ARs", "ARm", "ARl")
@@ -121,20 +122,13 @@ def _to_rle(segm, h: int, w: int, mask_utils) -> dict:
 
 
 def _check_segm(segm, img: dict) -> str | None:
-    """Return why ``segm`` is not a usable COCO segmentation for image ``img``, or None."""
-    if isinstance(segm, list):
-        if not segm or not all(isinstance(p, (list, tuple)) and len(p) >= 6 and len(p) % 2 == 0 for p in segm):
-            return "segmentation polygons must be a non-empty list of [x1, y1, x2, y2, ...] with >= 3 points"
-    elif isinstance(segm, dict):
-        if "counts" not in segm or "size" not in segm:
-            return "segmentation RLE needs 'size' [h, w] and 'counts'"
-        size = [int(s) for s in segm["size"]] if isinstance(segm["size"], (list, tuple)) else None
-        if size != [img["height"], img["width"]]:
-            return (f"segmentation RLE size {segm['size']!r} != image [height, width] "
-                    f"[{img['height']}, {img['width']}]")
-    else:
-        return f"segmentation must be polygons or an RLE dict, got {type(segm).__name__}"
-    return None
+    """Return why ``segm`` is not a usable COCO segmentation for image ``img``, or None: the convert stage's
+    definition (`detpipe.coco.segmentation_problem`: polygons of >= 3 finite points, RLE of the image's size whose
+    runs cover it exactly), and not empty."""
+    if isinstance(segm, list) and not segm:
+        return "segmentation polygons must be a non-empty list of [x1, y1, x2, y2, ...] with >= 3 points"
+    why = segmentation_problem(segm, img["height"], img["width"])
+    return None if why is None else f"segmentation {why}"
 
 
 def _prepare_gt(gt: dict, iou_type: str, src: str, mask_utils) -> tuple[dict, dict]:

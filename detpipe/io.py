@@ -155,16 +155,41 @@ def filesystem(root: str | Path, filesystem: Any = None) -> tuple[pafs.FileSyste
     try:
         fs, path = pafs.FileSystem.from_uri(root)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-        try:
-            import fsspec
-
-            ffs, path = fsspec.core.url_to_fs(root)
-        except (ImportError, ValueError) as e:
-            raise StageError(f"{root}: no filesystem for this URL ({e})") from None
+        ffs, path = fsspec_filesystem(root)
         fs = pafs.PyFileSystem(pafs.FSSpecHandler(ffs))
     except OSError as e:
         raise StageError(f"{root}: cannot open the filesystem ({e})") from None
     return fs, path.rstrip("/")
+
+
+def fsspec_filesystem(url: str, *, endpoint_url: str | None = None, timeout_s: float | None = None,
+                      label: str | None = None) -> tuple[Any, str]:
+    """``(fsspec filesystem, path inside it)`` for a path or URL (``fsspec.core.url_to_fs``), for callers that
+    stream through fsspec (the download stage, schemes pyarrow does not know).
+
+    Args:
+        url: local path or fsspec URL.
+        endpoint_url: S3-compatible endpoint (SeaweedFS, MinIO) for ``s3://`` URLs; None = AWS.
+        timeout_s: S3 connect and read timeout in seconds (botocore's own retries are turned off: callers
+            retry, see `detpipe.fetch`); None = botocore's defaults.
+        label: the URL as shown in errors (e.g. with credentials redacted); default ``url``.
+    Raises:
+        StageError: no filesystem for this URL (names ``label`` and the reason).
+    """
+    import fsspec.core
+
+    options: dict = {}
+    if url.split("://", 1)[0].lower() in ("s3", "s3a") and "://" in url:
+        options["skip_instance_cache"] = True        # credentials may change between calls (environment)
+        if timeout_s is not None:
+            options["config_kwargs"] = {"connect_timeout": timeout_s, "read_timeout": timeout_s,
+                                        "retries": {"total_max_attempts": 1}}
+        if endpoint_url:
+            options["client_kwargs"] = {"endpoint_url": endpoint_url}
+    try:
+        return fsspec.core.url_to_fs(url, **options)
+    except (ImportError, ValueError) as e:
+        raise StageError(f"{label or url}: no filesystem for this URL ({type(e).__name__}: {e})") from None
 
 
 def join_url(base: str, *parts: str) -> str:

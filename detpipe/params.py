@@ -26,6 +26,8 @@ class Download(_Section):
     retries: int = Field(default=3, ge=0, description='Retries of transient network errors (connection, timeouts, 408/429/5xx), exponential backoff 1 s .. 60 s.')
     timeout_s: float = Field(default=60, gt=0, description='Seconds a connect or read may stall before it counts as a transient error.')
     endpoint_url: Optional[str] = Field(default=None, description='S3-compatible endpoint (SeaweedFS, MinIO) for s3:// sources; credentials only from the environment / AWS config.')
+    max_extract_bytes: int = Field(default=64 * 10**9, gt=0, description='Largest size an archive may extract to, in bytes (its entries\' declared sizes; also never more than the free disk space).')
+    max_compression_ratio: float = Field(default=200, gt=0, description='Largest extracted size / archive size; beyond it the archive is refused as a likely zip bomb.')
 
 
 class Convert(_Section):

@@ -18,7 +18,8 @@ from PIL import Image, ImageDraw
 from pycocotools import mask as mask_utils
 
 from detpipe.errors import StageError
-from stages.convert import RULES, SCHEMA, convert, inspect_image, split_ids
+from detpipe.coco import RULES
+from stages.convert import SCHEMA, convert, inspect_image, split_ids
 from detpipe.imageio import decode_rgb
 from detpipe.params import Convert
 
@@ -560,17 +561,34 @@ def test_explicit_val_file(tmp_path, coco):
     assert res["meta"]["splits"]["val"]["annotations"] == len(val["annotations"])
 
 
-def test_explicit_val_duplicate_of_train_id(tmp_path, coco):
+def _renumber(data: dict, start: int) -> None:
+    """Number the file's images start, start+1, ... (as BCCD/Roboflow exports do per split)."""
+    new = {im["id"]: start + k for k, im in enumerate(data["images"])}
+    for im in data["images"]:
+        im["id"] = new[im["id"]]
+    for a in data["annotations"]:
+        a["image_id"] = new[a["image_id"]]
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_explicit_val_file_has_its_own_id_space(tmp_path, coco, overlap):
+    """A val file whose ids restart at 1 (so they overlap train's) keeps its whole split; ids are unique per
+    file only. A repeated id within the val file is still a duplicate (counted under split val)."""
     def edit(val, train):
-        val["images"][0]["id"] = train["images"][0]["id"]
-        for a in val["annotations"]:
-            if a["image_id"] == coco["images"][6]["id"]:
-                a["image_id"] = train["images"][0]["id"]
+        _renumber(train, 1)
+        _renumber(val, 1 if overlap else 100)
+        val["images"].append(dict(val["images"][0], file_name="again.jpg"))
     raw, train, val = _two_files(tmp_path, coco, edit)
     res = run(raw, val_annotations="annotations/instances_val2017.json", val_images="val2017")
     assert findings(res) == {"duplicate_image_id": 1}
-    assert "train file" in res["report"]["rules"]["duplicate_image_id"]["examples"][0]["detail"]
-    assert len(read_rows(tmp_path / "arrow", "val")) == 2
+    example = res["report"]["rules"]["duplicate_image_id"]["examples"][0]
+    assert example["split"] == "val" and example["record"] == f"image id {val['images'][0]['id']}"
+    val_rows = read_rows(tmp_path / "arrow", "val")
+    assert [(r["image_id"], r["file_name"]) for r in val_rows] == [(i["id"], i["file_name"])
+                                                                    for i in val["images"][:3]]
+    assert sum(len(r["ann_id"]) for r in val_rows) == len(val["annotations"])
+    assert len(read_rows(tmp_path / "arrow", "train")) == 6
+    assert res["report"]["splits"]["val"]["images_out"] == 3
 
 
 def test_explicit_val_categories_must_agree(tmp_path, coco):
@@ -639,7 +657,6 @@ def _malformed_cases():
         "iscrowd": (lambda d: d["annotations"][0].update(iscrowd=2), "key 'iscrowd' must be 0 or 1"),
         "category_name": (lambda d: d["categories"][0].pop("name"), "categories[0] (id 1): key 'name'"),
         "id_too_big": (lambda d: d["annotations"][0].update(id=2**63), "key 'id' must be in"),
-        "segmentation": (lambda d: d["annotations"][0].update(segmentation="x"), "key 'segmentation'"),
     }
 
 
@@ -665,7 +682,7 @@ def test_malformed_json_is_one_line_error(tmp_path, coco, case):
 
 def test_missing_annotation_file_and_image_folder(tmp_path, coco):
     raw = write_raw(tmp_path, subset(coco, BASE_IDS))
-    with pytest.raises(StageError, match=r"instances_val2017.json: annotation file not found$"):
+    with pytest.raises(StageError, match=r"instances_val2017.json: annotation file not found \(rule 'json_invalid'\)$"):
         run(raw, annotations="annotations/instances_val2017.json")
     with pytest.raises(StageError, match="image folder not found"):
         run(raw, images="val2017")
@@ -675,7 +692,7 @@ def test_missing_annotation_file_and_image_folder(tmp_path, coco):
 
 def test_empty_train_split_is_an_error(tmp_path, coco):
     raw = write_raw(tmp_path, subset(coco, BASE_IDS), {f"{i:012d}.jpg": None for i in BASE_IDS})
-    with pytest.raises(StageError, match="no usable images"):
+    with pytest.raises(StageError, match="no usable images in the train split .*rule 'split_emptied'"):
         run(raw)
 
 
@@ -697,6 +714,132 @@ def test_cli(tmp_path, coco):
     assert bad.returncode == 2
     assert "Traceback" not in bad.stderr
     lines = bad.stderr.strip().splitlines()
-    assert lines[-1] == f"error: data/raw/{ANN}: missing key 'categories'"
+    assert lines[-1] == f"error: data/raw/{ANN}: missing key 'categories' (rule 'coco_schema')"
     assert sum(line.startswith("error:") for line in lines) == 1
     assert {p: p.read_bytes() for p in (tmp_path / "data" / "arrow").rglob("*") if p.is_file()} == before
+
+
+# ------------------------------------------------------------------ bad input through the stage (subprocess)
+
+
+def _stage(tmp_path: Path, data: dict | bytes, *, val: dict | None = None, **convert_params):
+    """Run ``python -m stages.convert`` in a project folder holding ``data`` (a COCO dict, or raw bytes of the
+    annotation file) over COCO128 images and params.yaml with ``convert_params``; returns the process."""
+    import yaml
+
+    work = tmp_path / "work"
+    (work / "data").mkdir(parents=True)
+    raw = write_raw(work / "data", data if isinstance(data, dict) else subset({"categories": [], "images": [],
+                                                                             "annotations": []}, []))
+    if isinstance(data, bytes):
+        (raw / ANN).write_bytes(data)
+    if val is not None:
+        write_raw(work / "data", val, images="val2017", ann="annotations/instances_val2017.json")
+        convert_params.update(val_annotations="annotations/instances_val2017.json", val_images="val2017")
+    p = yaml.safe_load((REPO / "params.yaml").read_text())
+    p["convert"].update(workers=1, **convert_params)
+    (work / "params.yaml").write_text(yaml.safe_dump(p))
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, "-m", "stages.convert"], cwd=work, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def _error_line(res) -> str:
+    assert res.returncode == 2, res.stderr
+    assert "Traceback" not in res.stderr
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith("error: ") and sum(line.startswith("error:") for line in lines) == 1, res.stderr
+    return lines[-1]
+
+
+def _error_cases(coco):
+    def with_name(name):
+        data = subset(coco, BASE_IDS)
+        data["images"][0]["file_name"] = name
+        return data
+    deep = b'{"images": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    return {
+        "nul_file_name": (with_name("0000\x00.jpg"), "file_name_invalid", "images[0] (id 9): key 'file_name'"),
+        "surrogate_file_name": (with_name("0000\ud800.jpg"), "file_name_invalid", "images[0] (id 9)"),
+        "deep_json_orjson": (deep, "json_too_deep", ANN),
+        "deep_json_fallback": (b'{"x": NaN, ' + deep[1:], "json_too_deep", ANN),
+    }
+
+
+@pytest.mark.parametrize("case", ["nul_file_name", "surrogate_file_name", "deep_json_orjson", "deep_json_fallback"])
+def test_stage_bad_input_is_one_error_line_with_its_rule(tmp_path, coco, case):
+    data, rule, where = _error_cases(coco)[case]
+    line = _error_line(_stage(tmp_path, data))
+    assert line.endswith(f"(rule '{rule}')") and where in line, line
+    assert not (tmp_path / "work" / "data" / "arrow").exists()
+
+
+def test_stage_a_rule_that_empties_the_val_split_is_an_error(tmp_path, coco):
+    """A val file whose every image is missing (here: listed under names not in the folder) stops the stage
+    instead of training on without a val split."""
+    val = subset(coco, [i["id"] for i in coco["images"][6:9]])
+    for im in val["images"]:
+        im["file_name"] = "missing-" + im["file_name"]
+    line = _error_line(_stage(tmp_path, subset(coco, BASE_IDS), val=val))
+    assert "instances_val2017.json: no usable images in the val split (3 listed; findings: image_missing=3)" in line
+    assert line.endswith("(rule 'split_emptied')")
+
+
+BIG = 10 ** 400                  # beyond float64: float(BIG) raises OverflowError
+
+
+def _bad_annotations(coco) -> tuple[dict, dict[int, str]]:
+    """COCO128 image 9 (640x480, 8 annotations) with each annotation breaking one rule:
+    {annotation id: expected rule}."""
+    data = subset(coco, [9])
+    anns = data["annotations"]
+    h, w = data["images"][0]["height"], data["images"][0]["width"]
+    edits = [
+        ("bbox_not_finite", dict(bbox=[BIG, 0, 5, 5])),                       # 400-digit integer
+        ("bbox_not_finite", dict(bbox=[1, 1, 1e39, 5])),                      # inf once float32
+        ("bbox_nonpositive", dict(bbox=[1, 1, 1e-50, 5])),                    # 0 once float32
+        ("area_missing", dict(area=BIG)),
+        ("segmentation_invalid", dict(segmentation=[[1, 2, 3, 4, 5, 6, 7]])),  # odd length
+        ("segmentation_invalid", dict(segmentation=[[1, 2, 3, BIG, 5, 6]])),
+        ("segmentation_invalid", dict(segmentation={"size": [h, w], "counts": [5, 7]}, iscrowd=1)),
+        ("segmentation_invalid", dict(segmentation={"size": [10, 10], "counts": [100]}, iscrowd=1)),
+    ]
+    expected = {}
+    for ann, (rule, edit) in zip(anns, edits):
+        ann.update(edit)
+        expected[ann["id"]] = rule
+    data["annotations"].append(dict(anns[0], id=99, bbox=[1, 1, 5, 5], iscrowd=1,
+                                    segmentation={"size": [h, w], "counts": "zz~"}))   # not RLE digits
+    expected[99] = "segmentation_invalid"
+    return data, expected
+
+
+def test_stage_counts_every_bad_number_and_segmentation_under_its_rule(tmp_path, coco):
+    data, expected = _bad_annotations(coco)
+    res = _stage(tmp_path, data, val_fraction=0.0)
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
+    out = tmp_path / "work" / "data" / "arrow"
+    report = json.loads((out / "report.json").read_text())
+    got = {rule: v["count"] for rule, v in report["rules"].items() if v["count"]}
+    want: dict[str, int] = {}
+    for rule in expected.values():
+        want[rule] = want.get(rule, 0) + 1
+    assert got == want
+    for aid, rule in expected.items():
+        assert any(e["record"] == f"annotation id {aid} (image id 9)" for e in report["rules"][rule]["examples"]) \
+            or report["rules"][rule]["count"] > 5, (aid, rule)
+    (row,) = read_rows(out)
+    dropped = {aid for aid, rule in expected.items() if rule.startswith("bbox_")}
+    assert sorted(row["ann_id"]) == sorted(a["id"] for a in data["annotations"] if a["id"] not in dropped)
+    segs = dict(zip(row["ann_id"], row["segmentation"]))
+    assert all(segs[aid] == "" for aid, rule in expected.items() if rule == "segmentation_invalid")
+    areas = dict(zip(row["ann_id"], row["area"]))
+    big_area = next(aid for aid, rule in expected.items() if rule == "area_missing")
+    assert 0 < areas[big_area] < 640 * 480
+    assert all(w > 0 and h > 0 for _, _, w, h in row["bbox"])
+
+
+def test_stage_strict_error_from_a_worker_names_the_rule(tmp_path, coco):
+    data, _ = _bad_annotations(coco)
+    line = _error_line(_stage(tmp_path, data, val_fraction=0.0, strict=True))
+    assert "annotation id" in line and "(image id 9)" in line and "rule 'bbox_not_finite'" in line, line

@@ -23,7 +23,9 @@ import pytest
 import yaml
 
 from detpipe.errors import StageError
-from stages.download import download, extract, fetch, folder_sha256, http_fetch
+from detpipe.fetch import extract, fetch, http_fetch
+from detpipe.io import folder_sha256
+from stages.download import download
 
 try:
     from s3server import s3_server  # noqa: F401  (pytest fixture; tests/ is on sys.path under pytest)
@@ -468,3 +470,53 @@ def test_print_sha256_cli(tmp_path, http_server):
     res = _run(work, "--print-sha256", f"{http_server.url}/s.zip")
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == _sha(data)
+
+
+# --------------------------------------------------------------------------------------------- limits
+
+def _zip_bomb(path: Path, nbytes: int) -> Path:
+    """A zip of one member holding ``nbytes`` zeros (deflate packs it ~1000:1), written in 1 MiB pieces."""
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zf, zf.open("bomb/zeros.bin", "w") as f:
+        for _ in range(nbytes >> 20):
+            f.write(bytes(1 << 20))
+    return path
+
+
+@pytest.mark.parametrize("ratio_limit", [200, 5000])
+def test_stage_refuses_a_zip_bomb_and_leaves_data_raw_as_it_was(tmp_path, ratio_limit):
+    """64 MiB of zeros in a ~64 kB zip (ratio ~1000) is refused under the default ratio limit with one error
+    line and nothing written; with the limit raised past its ratio the same archive extracts (so the limit,
+    not something else, is what refuses it)."""
+    bomb = _zip_bomb(tmp_path / "bomb.zip", 64 << 20)
+    ratio = (64 << 20) / bomb.stat().st_size
+    assert 200 < ratio < 5000
+    work = _workdir(tmp_path, source=str(bomb), sha256=None, max_compression_ratio=ratio_limit)
+    raw = work / "data" / "raw"
+    raw.mkdir()
+    (raw / "old.txt").write_text("previous")
+    res = _run(work)
+    if ratio_limit > ratio:
+        assert res.returncode == 0, res.stderr
+        assert (raw / "bomb" / "zeros.bin").stat().st_size == 64 << 20     # the top-level folder is kept
+        return
+    assert res.returncode == 2
+    line = _assert_one_error_line(res.stderr)
+    assert str(bomb) in line and "download.max_compression_ratio = 200" in line and "nothing was extracted" in line
+    assert [p.name for p in raw.iterdir()] == ["old.txt"] and _leftovers(work / "data") == []
+
+
+def test_stage_max_extract_bytes(tmp_path):
+    files = {f"mydata/{name}": data for name, data in _sample_files().items()}
+    archive = tmp_path / "d.zip"
+    _zip(archive, files)
+    total = sum(len(d) for d in files.values())
+    work = _workdir(tmp_path, source=str(archive), sha256=None, max_extract_bytes=total - 1)
+    res = _run(work)
+    assert res.returncode == 2
+    line = _assert_one_error_line(res.stderr)
+    assert f"would extract to {total} bytes, more than download.max_extract_bytes = {total - 1}" in line
+    assert not (work / "data" / "raw").exists() and _leftovers(work / "data") == []
+    ok = tmp_path / "ok"
+    ok.mkdir()
+    assert extract(archive, ok, max_bytes=total) == len(files)
+    _assert_tree(ok, files)                                # at the limit: extracted, top-level folder kept

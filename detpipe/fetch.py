@@ -1,0 +1,515 @@
+"""Fetching a dataset: HTTP(S) with Range resume, S3/local through fsspec, retries, safe and bounded extraction.
+
+Retries use `tenacity` (exponential backoff ``backoff_s * 2**k`` seconds, capped at `MAX_BACKOFF_S`, on transient
+errors only); an interrupted HTTP transfer resumes with ``Range: bytes=N-``. URLs become filesystems in
+`detpipe.io.fsspec_filesystem`. Credentials in URLs are redacted from every message (`redact`).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import posixpath
+import shutil
+import sys
+import tarfile
+import zipfile
+from pathlib import Path
+from typing import Callable, Iterator, Optional, TypeVar
+from urllib.parse import unquote, urlsplit, urlunsplit
+
+import tenacity
+
+from detpipe.errors import StageError
+from detpipe.io import fsspec_filesystem, iter_files
+
+log = logging.getLogger("detpipe.fetch")
+
+TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz")
+ZIP_SUFFIXES = (".zip",)
+CHUNK_BYTES = 1 << 20
+"""Read/write block size for downloads and hashing, in bytes."""
+BACKOFF_S = 1.0
+"""First retry delay in seconds; attempt k (0-based) waits ``BACKOFF_S * 2**k`` seconds, capped at
+`MAX_BACKOFF_S` (plain exponential backoff, as in e.g. the AWS Architecture Blog, "Exponential Backoff
+and Jitter", 2015, without the jitter)."""
+MAX_BACKOFF_S = 60.0
+
+T = TypeVar("T")
+
+
+def redact(url: str) -> str:
+    """``url`` fit for logs and error messages: a ``user:password@`` part becomes ``***@`` and a query
+    string (which may hold a signature or token) becomes ``?***``. Local paths are returned unchanged."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparsable URL>"
+    if not parts.scheme or len(parts.scheme) == 1:   # a plain path (or a Windows drive letter)
+        return url
+    netloc = parts.netloc
+    if "@" in netloc:
+        netloc = "***@" + netloc.rsplit("@", 1)[1]
+    query = "***" if parts.query else ""
+    return urlunsplit((parts.scheme, netloc, parts.path, query, ""))
+
+
+def protocol(source: str) -> str:
+    """fsspec protocol of ``source``: ``"file"`` for plain paths, else the URL scheme (lower case)."""
+    import fsspec.utils
+
+    proto = fsspec.utils.get_protocol(source)
+    return "file" if proto in ("file", "local") else proto.lower()
+
+
+def archive_kind(name: str) -> Optional[str]:
+    """``"tar"``, ``"zip"`` or None from a file name's suffix (case-insensitive)."""
+    low = name.lower()
+    if low.endswith(TAR_SUFFIXES):
+        return "tar"
+    if low.endswith(ZIP_SUFFIXES):
+        return "zip"
+    return None
+
+
+def source_name(source: str) -> str:
+    """Last path component of a path or URL (query and fragment ignored), used to name the fetched file."""
+    path = urlsplit(source).path if "://" in source else source
+    name = posixpath.basename(unquote(path).rstrip("/"))
+    return name or "download"
+
+
+def _exc_text(exc: BaseException, url: str) -> str:
+    """One-line description of ``exc`` with any copy of the (secret-bearing) URL parts removed."""
+    text = f"{type(exc).__name__}: {exc}".replace("\n", " ")
+    if "://" in url:
+        parts = urlsplit(url)
+        userinfo = parts.netloc.rsplit("@", 1)[0] + "@" if "@" in parts.netloc else ""
+        for secret in (url, userinfo, parts.query, parts.password or ""):
+            if len(secret) >= 4:                         # too short to replace without mangling the text
+                text = text.replace(secret, "***")
+    return text[:500]
+
+
+def check_relpath(relpath: str, label: str, entry: str) -> None:
+    """Refuse a member/key path that is absolute or has a ``..`` component (it would land outside the
+    destination). Raises `StageError` naming ``label`` (the archive or source) and ``entry``."""
+    drive = len(relpath) >= 2 and relpath[0].isalpha() and relpath[1] == ":" and relpath[2:3] in ("", "/", "\\")
+    if relpath.startswith(("/", "\\")) or os.path.isabs(relpath) or drive:
+        raise StageError(f"{label}: unsafe entry {entry!r}: absolute path; nothing was extracted")
+    if ".." in relpath.replace("\\", "/").split("/"):
+        raise StageError(f"{label}: unsafe entry {entry!r}: '..' path component; nothing was extracted")
+
+
+# --------------------------------------------------------------------------------------------- retries
+
+class _Transient(Exception):
+    """A retryable HTTP condition (5xx, truncated body, bad range answer); ``retry_after`` in seconds."""
+
+    def __init__(self, msg: str, retry_after: float = 0.0):
+        super().__init__(msg)
+        self.retry_after = retry_after
+
+
+def _is_transient(exc: BaseException) -> bool:
+    """Whether an error is worth retrying: network trouble, timeouts, server errors (HTTP 408/425/429/5xx,
+    S3 5xx/408/429), truncated bodies. Not: missing files, access denied, bad credentials, TLS errors."""
+    if isinstance(exc, StageError):
+        return False
+    if isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError,
+                        FileExistsError)):
+        return False
+    import requests
+    import urllib3.exceptions
+
+    if isinstance(exc, (requests.exceptions.SSLError, requests.exceptions.InvalidURL,
+                        requests.exceptions.InvalidSchema, requests.exceptions.MissingSchema,
+                        requests.exceptions.TooManyRedirects)):
+        return False
+    if isinstance(exc, (_Transient, requests.exceptions.RequestException, urllib3.exceptions.HTTPError)):
+        return True
+    try:
+        import botocore.exceptions as bex
+    except ImportError:                                  # pragma: no cover - s3fs pulls botocore in
+        bex = None
+    if bex is not None:
+        if isinstance(exc, (bex.NoCredentialsError, bex.PartialCredentialsError, bex.ParamValidationError)):
+            return False
+        if isinstance(exc, bex.ClientError):
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0
+            return status >= 500 or status in (408, 429)
+        if isinstance(exc, bex.BotoCoreError):           # EndpointConnectionError, ReadTimeoutError, ...
+            return True
+    return isinstance(exc, (TimeoutError, ConnectionError, OSError))
+
+
+def _permanent_error(exc: BaseException, source: str) -> StageError:
+    """A one-line `StageError` for a failed fetch of ``source`` that retrying cannot fix."""
+    url = redact(source)
+    if isinstance(exc, FileNotFoundError):
+        return StageError(f"{url}: not found")
+    if isinstance(exc, PermissionError):
+        return StageError(f"{url}: access denied ({_exc_text(exc, source)}); check the credentials in the "
+                          "environment or AWS config")
+    try:
+        import botocore.exceptions as bex
+        if isinstance(exc, (bex.NoCredentialsError, bex.PartialCredentialsError)):
+            return StageError(f"{url}: no S3 credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+                              "(or AWS_PROFILE) in the environment")
+    except ImportError:                                  # pragma: no cover
+        pass
+    return StageError(f"{url}: {_exc_text(exc, source)}")
+
+
+def with_retries(fn: Callable[[], T], source: str, retries: int, backoff_s: float) -> T:
+    """Call ``fn`` up to ``retries + 1`` times (`tenacity.Retrying`) while it raises a transient error
+    (`_is_transient`), waiting ``backoff_s * 2**k`` seconds (capped at `MAX_BACKOFF_S`; an HTTP
+    ``Retry-After`` is honoured up to the same cap) between attempts.
+
+    Raises:
+        StageError: a permanent error (at once), or the attempts are used up (names the redacted source and
+            the last error).
+    """
+    base = tenacity.wait_exponential(multiplier=backoff_s, exp_base=2, max=MAX_BACKOFF_S)
+
+    def wait(state: tenacity.RetryCallState) -> float:
+        after = getattr(state.outcome.exception(), "retry_after", 0.0)
+        return max(base(state), min(after, MAX_BACKOFF_S))
+
+    def before_sleep(state: tenacity.RetryCallState) -> None:
+        log.warning("%s: %s; retry %d/%d in %.1f s", redact(source), _exc_text(state.outcome.exception(), source),
+                    state.attempt_number, retries, state.next_action.sleep)
+
+    retrying = tenacity.Retrying(stop=tenacity.stop_after_attempt(retries + 1), wait=wait,
+                                 retry=tenacity.retry_if_exception(_is_transient), before_sleep=before_sleep,
+                                 reraise=True)
+    try:
+        return retrying(fn)
+    except StageError:
+        raise
+    except Exception as e:                               # noqa: BLE001 - classified right below
+        if _is_transient(e):
+            raise StageError(f"{redact(source)}: failed after {retries + 1} attempts: "
+                             f"{_exc_text(e, source)}") from None
+        raise _permanent_error(e, source) from None
+
+
+# --------------------------------------------------------------------------------------------- fetching
+
+def _progress(total: Optional[int], desc: str, initial: int = 0):
+    """A tqdm byte progress bar on stderr (bytes, rate; shown when stderr is a terminal)."""
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
+                file=sys.stderr, disable=None, leave=False, dynamic_ncols=True)
+
+
+class _HttpDownload:
+    """One resumable HTTP download; each call is one attempt (see `http_fetch`)."""
+
+    def __init__(self, url: str, dest: Path, timeout_s: float, session, bar):
+        self.url, self.dest, self.timeout_s, self.session, self.bar = url, dest, timeout_s, session, bar
+        self.label = redact(url)
+        self.validator: Optional[str] = None             # ETag / Last-Modified of the first answer
+
+    def __call__(self) -> int:
+        dest, label = self.dest, self.label
+        have = dest.stat().st_size if dest.exists() else 0
+        headers = {"Accept-Encoding": "identity"}
+        if have:
+            headers["Range"] = f"bytes={have}-"
+            if self.validator:
+                headers["If-Range"] = self.validator
+        with self.session.get(self.url, headers=headers, stream=True, timeout=(self.timeout_s, self.timeout_s)) as r:
+            status = r.status_code
+            if status == 416 and have:
+                if _content_range_total(r.headers.get("Content-Range", "")) == have:
+                    log.info("%s: already complete (%d bytes)", label, have)
+                    return have
+                log.warning("%s: server refused range %d- (HTTP 416); restarting", label, have)
+                dest.unlink()
+                raise _Transient("HTTP 416 on resume")
+            if status >= 500 or status in (408, 425, 429):
+                raise _Transient(f"HTTP {status} {r.reason}", _retry_after_s(r.headers.get("Retry-After")))
+            if status not in (200, 206):
+                raise StageError(f"{label}: HTTP {status} {r.reason}")
+            if have and status == 206:
+                start, total = _parse_content_range(r.headers.get("Content-Range", ""))
+                if start != have:
+                    log.warning("%s: server answered range %s for bytes=%d-; restarting", label,
+                                r.headers.get("Content-Range"), have)
+                    dest.unlink()
+                    raise _Transient("unexpected Content-Range")
+                mode = "ab"
+                log.info("%s: resuming at byte %d (HTTP 206)", label, have)
+            else:
+                if have:
+                    log.warning("%s: server answered HTTP %d to a range request; restarting from byte 0",
+                                label, status)
+                have, mode = 0, "wb"
+                length = r.headers.get("Content-Length")
+                total = int(length) if length and length.isdigit() else None
+                etag = r.headers.get("ETag")
+                self.validator = (etag if etag and not etag.startswith("W/") else None) \
+                    or r.headers.get("Last-Modified")
+            self.bar.reset(total=total)
+            self.bar.update(have)
+            with open(dest, mode) as f:
+                for chunk in _body_chunks(r.raw):
+                    f.write(chunk)
+                    self.bar.update(len(chunk))
+            size = dest.stat().st_size
+            if total is not None and size != total:
+                raise _Transient(f"truncated body: {size} of {total} bytes")
+            return size
+
+
+def http_fetch(url: str, dest: Path | str, *, retries: int = 3, timeout_s: float = 60,
+               backoff_s: float = BACKOFF_S, session=None) -> int:
+    """Download ``url`` (http/https) to the file ``dest``, resuming partial transfers.
+
+    After a transient failure (connection error or reset, timeout, truncated body, HTTP 408/425/429/5xx) the
+    next attempt sends ``Range: bytes=N-`` with N = bytes already in ``dest`` (and ``If-Range`` with the
+    first answer's ETag / Last-Modified, so a changed file is not spliced). A ``206`` answer whose
+    ``Content-Range`` starts at N is appended; a ``200`` answer (server ignores ranges or the file changed)
+    restarts the file from byte 0. Attempts are spaced as in `with_retries` (``Retry-After`` honoured up to
+    `MAX_BACKOFF_S`). Other 4xx answers (403, 404, ...) fail at once.
+
+    Args:
+        url: the URL (may carry credentials; they are redacted in logs and errors).
+        dest: file to write; an existing file is treated as a partial download to resume.
+        retries: retries after the first attempt.
+        timeout_s: connect timeout and read timeout (longest silence between bytes), in seconds.
+        backoff_s: first retry delay, in seconds.
+        session: a `requests.Session` to use (default: a new one).
+    Returns:
+        the size of the complete file, in bytes.
+    Raises:
+        StageError: permanent HTTP error (names the redacted URL and status) or attempts used up.
+    """
+    import requests
+
+    with _progress(None, source_name(url)) as bar:
+        attempt = _HttpDownload(url, Path(dest), timeout_s, session or requests.Session(), bar)
+        return with_retries(attempt, url, retries, backoff_s)
+
+
+def _body_chunks(raw) -> Iterator[bytes]:
+    """The raw (not content-decoded) body of a urllib3 response, each piece as soon as it arrives (``read1``),
+    so that a timeout or a cut connection loses no byte already received: the resume offset is exact."""
+    if raw.chunked and raw.supports_chunked_reads():
+        yield from raw.read_chunked(CHUNK_BYTES, decode_content=False)
+        return
+    while data := raw.read1(CHUNK_BYTES, decode_content=False):
+        yield data
+
+
+def _parse_content_range(value: str) -> tuple[Optional[int], Optional[int]]:
+    """(first byte, total bytes or None) of a ``Content-Range: bytes A-B/T`` header; (None, None) if bad."""
+    try:
+        unit, rest = value.strip().split(" ", 1)
+        span, total = rest.split("/", 1)
+        if unit.lower() != "bytes":
+            return None, None
+        start = int(span.split("-", 1)[0])
+        return start, (None if total.strip() == "*" else int(total))
+    except ValueError:
+        return None, None
+
+
+def _content_range_total(value: str) -> Optional[int]:
+    """Total size from ``Content-Range: bytes */T`` (a 416 answer), or None."""
+    try:
+        return int(value.rsplit("/", 1)[1])
+    except (IndexError, ValueError):
+        return None
+
+
+def _retry_after_s(value: Optional[str]) -> float:
+    """Seconds from a numeric ``Retry-After`` header (dates are ignored), else 0."""
+    try:
+        return max(0.0, float(value)) if value else 0.0
+    except ValueError:
+        return 0.0
+
+
+def fetch(source: str, dest: Path | str, *, retries: int = 3, timeout_s: float = 60,
+          endpoint_url: Optional[str] = None, backoff_s: float = BACKOFF_S) -> Path:
+    """Fetch ``source`` (a file or a folder) to the local path ``dest`` (a file path that does not exist
+    yet, or for a folder source a folder path that may exist).
+
+    HTTP(S) goes through `http_fetch` (Range resume); other fsspec protocols (local, ``file://``, ``s3://``)
+    are read through fsspec (`detpipe.io.fsspec_filesystem`), each file with `with_retries` (transient errors
+    only; local reads are not retried). A folder source is copied file by file (file contents only, not modes
+    or times); keys whose relative path is absolute or has ``..`` are refused.
+
+    Args:
+        source: local path or fsspec URL.
+        dest: local destination path (a file, or a folder when the source is a folder).
+        retries: retries after the first attempt of each file.
+        timeout_s: network connect and read timeout, in seconds.
+        endpoint_url: S3 endpoint for S3-compatible stores, or None for AWS.
+        backoff_s: first retry delay, in seconds.
+    Returns:
+        ``dest``.
+    Raises:
+        StageError: not found, access denied, permanent HTTP error, attempts used up, unsafe key.
+    """
+    dest = Path(dest)
+    proto = protocol(source)
+    if proto in ("http", "https"):
+        if urlsplit(source).path.endswith("/"):
+            raise StageError(f"{redact(source)}: an HTTP source must be a single file or archive, not a folder")
+        http_fetch(source, dest, retries=retries, timeout_s=timeout_s, backoff_s=backoff_s)
+        return dest
+    if endpoint_url and proto not in ("s3", "s3a"):
+        log.warning("download.endpoint_url is set but %s is not an s3:// source: ignored", redact(source))
+    fs, path = fsspec_filesystem(source, endpoint_url=endpoint_url, timeout_s=timeout_s, label=redact(source))
+    n_retries = 0 if proto == "file" else retries
+    if with_retries(lambda: fs.isdir(path), source, n_retries, backoff_s):
+        _fetch_folder(fs, path, source, dest, n_retries, backoff_s)
+    else:
+        info = with_retries(lambda: fs.info(path), source, n_retries, backoff_s)
+        with _progress(info.get("size"), source_name(source)) as bar:
+            def get() -> None:
+                bar.reset(total=bar.total)
+                with fs.open(path, "rb", block_size=CHUNK_BYTES) as src, open(dest, "wb") as out:
+                    while chunk := src.read(CHUNK_BYTES):
+                        out.write(chunk)
+                        bar.update(len(chunk))
+
+            with_retries(get, source, n_retries, backoff_s)
+    return dest
+
+
+def _fetch_folder(fs, path: str, source: str, dest: Path, retries: int, backoff_s: float) -> None:
+    """Copy every file under the folder/prefix ``path`` of ``fs`` into ``dest`` (see `fetch`)."""
+    root = path.rstrip("/")
+    if protocol(source) == "file":
+        files = {rel: full.stat().st_size for rel, full in iter_files(Path(root))}
+        remote = {rel: str(Path(root, rel)) for rel in files}
+    else:
+        found = with_retries(lambda: fs.find(root, detail=True), source, retries, backoff_s)
+        files, remote = {}, {}
+        for key, info in found.items():
+            if info.get("type") == "directory" or key.endswith("/"):
+                continue
+            rel = key[len(root):].lstrip("/") if key.startswith(root) else key
+            check_relpath(rel, redact(source), rel)
+            files[rel], remote[rel] = int(info.get("size") or 0), key
+    dest.mkdir(parents=True, exist_ok=True)
+    log.info("%s: copying %d files (%d bytes)", redact(source), len(files), sum(files.values()))
+    with _progress(sum(files.values()), source_name(source)) as bar:
+        for rel in sorted(files):
+            out = dest.joinpath(*rel.split("/"))
+            out.parent.mkdir(parents=True, exist_ok=True)
+
+            def one(rel=rel, out=out):
+                with fs.open(remote[rel], "rb", block_size=CHUNK_BYTES) as src, open(out, "wb") as f:
+                    shutil.copyfileobj(src, f, CHUNK_BYTES)
+
+            with_retries(one, f"{source.rstrip('/')}/{rel}", retries, backoff_s)
+            bar.update(files[rel])
+
+
+# --------------------------------------------------------------------------------------------- extraction
+
+MAX_EXTRACT_BYTES = 64 * 10**9
+"""Default cap on an archive's extracted size, in bytes (64 GB: COCO train2017 + val2017 + annotations is
+~20 GB extracted). `extract` also refuses more than the free space of the destination's disk."""
+MAX_COMPRESSION_RATIO = 200.0
+"""Default cap on extracted bytes / archive bytes. JPEG/PNG archives are ~1x, COCO JSON alone ~5-10x; zip
+bombs are 1000x and more (a 1 MB zip of 1 GiB of zeros is ~1000x)."""
+
+
+def extract(archive: Path | str, dest: Path | str, label: Optional[str] = None, *,
+            max_bytes: int = MAX_EXTRACT_BYTES, max_ratio: float = MAX_COMPRESSION_RATIO) -> int:
+    """Extract a ``.zip`` or tar (``.tar``, ``.tar.gz``/``.tgz``, ``.tar.bz2``, ``.tar.xz``) archive into the
+    existing folder ``dest``, refusing anything that could write outside it or fill the disk.
+
+    Every entry is checked before anything is extracted: absolute names, ``..`` components, symlinks whose
+    target is absolute or resolves outside ``dest``, hard links to paths outside ``dest``, and device/FIFO
+    entries are refused. The declared sizes of all entries must sum to at most ``max_bytes``, at most the free
+    space of ``dest``'s disk, and at most ``max_ratio`` times the archive's size (declared sizes bound what is
+    written: zip members stop at their declared size and fail their CRC if they hold more, tar members are
+    stored with their exact size). Tar archives are then extracted with Python's ``filter="data"`` (PEP 706),
+    which re-checks links against the real filesystem and drops unsafe modes; zip members are extracted only
+    after their names passed the check (zip "symlinks" become regular files).
+
+    Args:
+        archive: the archive file; its kind comes from ``label``'s (else its own) suffix.
+        dest: existing destination folder.
+        label: the source name used in messages (default: ``archive``).
+        max_bytes: cap on the extracted size, in bytes.
+        max_ratio: cap on extracted size / archive size.
+    Returns:
+        the number of entries extracted.
+    Raises:
+        StageError: unsafe entry, size or ratio beyond the limits (one line naming the archive and the limit),
+            corrupt or unknown archive.
+    """
+    archive, dest = Path(archive), Path(dest)
+    label = label or str(archive)
+    kind = archive_kind(source_name(label)) or archive_kind(archive.name)
+    try:
+        if kind == "zip":
+            with zipfile.ZipFile(archive) as zf:
+                infos = zf.infolist()
+                for info in infos:
+                    check_relpath(info.filename, label, info.filename)
+                _check_size(sum(i.file_size for i in infos), archive, dest, label, max_bytes, max_ratio)
+                zf.extractall(dest)
+                return len(infos)
+        if kind == "tar":
+            with tarfile.open(archive, "r:*") as tf:
+                members = tf.getmembers()
+                for m in members:
+                    _check_tar_member(m, label)
+                _check_size(sum(m.size for m in members if m.isfile()), archive, dest, label, max_bytes, max_ratio)
+                tf.extractall(dest, filter="data")
+                return len(members)
+    except tarfile.FilterError as e:
+        name = e.tarinfo.name if getattr(e, "tarinfo", None) is not None else "?"
+        raise StageError(f"{label}: unsafe entry {name!r}: {e}".replace("\n", " ")) from None
+    except (tarfile.TarError, zipfile.BadZipFile, EOFError, KeyError, RuntimeError, OSError) as e:
+        raise StageError(f"{label}: cannot extract: corrupt or unreadable archive ({type(e).__name__}: {e})"
+                         .replace("\n", " ")) from None
+    raise StageError(f"{label}: not a known archive type (expected one of {ZIP_SUFFIXES + TAR_SUFFIXES})")
+
+
+def _check_size(total: int, archive: Path, dest: Path, label: str, max_bytes: int, max_ratio: float) -> None:
+    """Refuse an extraction of ``total`` bytes beyond the limits of `extract`."""
+    packed = max(archive.stat().st_size, 1)
+    if total > max_bytes:
+        raise StageError(f"{label}: archive would extract to {total} bytes, more than download.max_extract_bytes "
+                         f"= {max_bytes}; nothing was extracted")
+    if total / packed > max_ratio:
+        raise StageError(f"{label}: archive would extract to {total} bytes from {packed} (compression ratio "
+                         f"{total / packed:.0f} > download.max_compression_ratio = {max_ratio:g}; a zip bomb?); "
+                         "nothing was extracted")
+    free = shutil.disk_usage(dest).free
+    if total > free:
+        raise StageError(f"{label}: archive would extract to {total} bytes but only {free} bytes are free on "
+                         f"the disk of {dest.parent}; nothing was extracted")
+
+
+def _check_tar_member(m: tarfile.TarInfo, label: str) -> None:
+    """Refuse a tar entry that could write outside the destination (see `extract`)."""
+    check_relpath(m.name, label, m.name)
+    if m.issym():
+        target = m.linkname
+        if target.startswith("/") or os.path.isabs(target):
+            raise StageError(f"{label}: unsafe entry {m.name!r}: symlink to absolute path {target!r}; "
+                             "nothing was extracted")
+        resolved = posixpath.normpath(posixpath.join(posixpath.dirname(m.name), target))
+        if resolved == ".." or resolved.startswith("../"):
+            raise StageError(f"{label}: unsafe entry {m.name!r}: symlink to {target!r} points outside the "
+                             "destination; nothing was extracted")
+    elif m.islnk():
+        target = m.linkname
+        resolved = posixpath.normpath(target)
+        if target.startswith("/") or os.path.isabs(target) or resolved == ".." or resolved.startswith("../"):
+            raise StageError(f"{label}: unsafe entry {m.name!r}: hard link to {target!r} outside the "
+                             "destination; nothing was extracted")
+    elif not (m.isfile() or m.isdir()):
+        raise StageError(f"{label}: unsafe entry {m.name!r}: special file (device or FIFO); nothing was "
+                         "extracted")
