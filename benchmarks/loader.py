@@ -15,6 +15,9 @@ flips, in the same fixed order; one warm-up batch (worker start-up included) is 
 alternating, and the best round counts. The main process uses ``--threads`` (1) torch threads.
 
     python -m benchmarks.loader [--images 128] [--batches 40] [--rounds 3] [--resize fixed|keep_ratio]
+                                [--encoding raw|jpeg]
+
+With ``encoding: jpeg`` (the default cache) images are checked within JPEG's loss (PSNR >= 28 dB) instead.
 
 Prints images/s per loader and ``num_workers`` (0 and 2), the ratios, and as the last line
 ``ratio: <ours / baseline images/s at num_workers=0>`` (goal >= 10).
@@ -26,6 +29,7 @@ import contextlib
 import io
 import itertools
 import json
+import math
 import shutil
 import sys
 import time
@@ -104,6 +108,23 @@ def check_same(ours: CachedDetectionDataset, base, label_of: dict[int, int], n: 
     return worst
 
 
+def check_close(ours: CachedDetectionDataset, base, min_psnr: float) -> float:
+    """Lowest PSNR (dB) of our images vs the classic path's over the whole split; asserts it is >= ``min_psnr``
+    and that boxes agree within 1e-3 px."""
+    worst = math.inf
+    for i in range(len(ours)):
+        (image, t), (bimage, bt) = ours[i], base[i]
+        assert int(t["image_id"]) == int(bt["image_id"]) and image.shape == bimage.shape, i
+        mse = float(((image.double() - bimage.double()) * 255).pow(2).mean())
+        worst = min(worst, math.inf if mse == 0 else 10 * math.log10(255**2 / mse))
+        if "boxes" in bt and len(t["boxes"]):
+            bb = bt["boxes"].as_subclass(torch.Tensor)
+            keep = (torch.as_tensor(bt["iscrowd"]) == 0) & (bb[:, 2] > bb[:, 0]) & (bb[:, 3] > bb[:, 1])
+            torch.testing.assert_close(t["boxes"], bb[keep], rtol=0, atol=1e-3)
+    assert worst >= min_psnr, f"cache differs from the classic path: PSNR {worst:.1f} dB < {min_psnr}"
+    return worst
+
+
 def images_per_s(dataset, batch_size: int, batches: int, min_seconds: float, num_workers: int) -> float:
     """Images/s over at least ``batches`` DataLoader batches and ``min_seconds`` seconds, after one untimed
     warm-up batch."""
@@ -134,6 +155,8 @@ def main() -> None:
     ap.add_argument("--workers", type=int, nargs="+", default=[0, 2])
     ap.add_argument("--resize", choices=("fixed", "keep_ratio"), default=None,
                     help="default: params.yaml's augment.resize (the cache the pipeline builds)")
+    ap.add_argument("--encoding", choices=("raw", "jpeg"), default=None,
+                    help="default: params.yaml's augment.encoding (the cache the pipeline builds)")
     ap.add_argument("--keep", action="store_true", help="keep the temporary working directory")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -142,20 +165,25 @@ def main() -> None:
     try:
         cfg = params_mod.load("augment", work / "params.yaml")
         cache = work / "data/cache"
-        if args.resize and args.resize != cfg.resize:
-            cfg = cfg.model_copy(update={"resize": args.resize})
-            cache = work / f"cache-{args.resize}"
+        update = {k: v for k, v in (("resize", args.resize), ("encoding", args.encoding))
+                  if v and v != getattr(cfg, k)}
+        if update:
+            cfg = cfg.model_copy(update=update)
+            cache = work / "cache-bench"
             build_cache(work / "data/arrow", cache, cfg)
         ours = CachedDetectionDataset(cache, "train")
         base = baseline_dataset(work / "data/raw", ours.image_ids, cfg)
         label_of = {int(k): v for k, v in json.loads((work / "data/arrow/meta.json").read_text())
                     ["category_id_to_label"].items()}
-        worst = check_same(ours, base, label_of, len(ours))
-        print(f"{len(ours)} train images, resize {cfg.resize} "
+        if cfg.encoding == "raw":
+            worst = f"max pixel difference {check_same(ours, base, label_of, len(ours)):.2f} levels"
+        else:  # JPEG-encoded cache: within its loss
+            worst = f"min PSNR {check_close(ours, base, 28.0):.1f} dB"
+        print(f"{len(ours)} train images, {cfg.encoding} cache, resize {cfg.resize} "
               f"({cfg.size if cfg.resize == 'fixed' else f'{cfg.min_size}/{cfg.max_size}'}), batch {args.batch_size}, "
               f">= {args.batches} timed batches and >= {args.min_seconds:g} s, best of {args.rounds}, torch threads "
               f"{torch.get_num_threads()}; "
-              f"outputs checked equal on all {len(ours)} images (max pixel difference {worst:.2f} levels)",
+              f"outputs checked equal on all {len(ours)} images ({worst})",
               flush=True)
         results: dict[tuple[str, int], float] = {}
         for nw in args.workers:

@@ -5,14 +5,21 @@ each image's pixels on demand from its ``part-NNNNN.arrow`` shard. ``root`` is a
 memory-mapped: no copy until the float conversion) or a filesystem URL — anything
 ``pyarrow.fs.FileSystem.from_uri`` understands (``s3://bucket/cache``, ``gs://…``, ``hdfs://…``, ``file:///…``)
 and otherwise any fsspec URL — so every node of a multi-node job can read one cache in object storage directly.
-A remote read fetches one image's record batch (a byte range), never a whole shard.
+Read directly, a remote shard is read one image's record batch (a byte range) at a time; training streams whole
+shards instead (`micro_batches` with a `detpipe.streaming.ShardPrefetcher`: background copies into a bounded local
+folder that the dataset then memory-maps).
+
+Pixels are stored raw (``uint8`` CHW) or JPEG-encoded (``augment.encoding``; the Arrow schema metadata of
+``index.arrow`` says which); JPEG is decoded at load time with ``torchvision.io.decode_jpeg``, batched per
+DataLoader batch, or on the GPU by `micro_batches` (``decode_device``).
 
 Instance masks (Mask R-CNN) come only with ``with_masks=True``: box-only models never decode them.
 """
 from __future__ import annotations
 
+import collections
+import copy
 import json
-import math
 import os
 import warnings
 from pathlib import Path
@@ -24,10 +31,16 @@ import pyarrow.fs as pafs
 import pyarrow.ipc as ipc
 import torch
 from pycocotools import mask as mask_utils
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset
+from torchvision.io import ImageReadMode, decode_jpeg
 
 from detpipe.io import filesystem as open_filesystem
 from detpipe.errors import StageError
+from detpipe.sampler import ResumableDistributedSampler
+from detpipe.streaming import ShardPrefetcher, redact, wait_for_shard
+
+__all__ = ["CachedDetectionDataset", "ResumableDistributedSampler", "collate", "uses_masks", "check_cache_masks",
+           "read_meta", "micro_batches", "decode_images"]
 
 INDEX_FILE = "index.arrow"  # written by stages.augment (INDEX_SCHEMA)
 _INDEX_COLUMNS = ("image_id", "variant", "height", "width", "orig_height", "orig_width", "scale_y", "scale_x",
@@ -35,6 +48,17 @@ _INDEX_COLUMNS = ("image_id", "variant", "height", "width", "orig_height", "orig
 _MASK_RULE = ("rule: mask models need a polygon or RLE segmentation for every non-crowd object; use data with "
               "masks or a box-only model")
 _FLIP_STREAM = 0x666C6970  # a constant third seed word, so flip draws do not reuse the sampler's stream
+ENCODINGS = ("raw", "jpeg")
+_OPEN_SHARDS = 16  # streamed shards a process keeps memory-mapped (older ones are closed: their copies get deleted)
+
+
+def decode_images(data: list[torch.Tensor], device: torch.device | str = "cpu") -> list[torch.Tensor]:
+    """Decode JPEG-encoded cache images: ``data`` are 1-D ``uint8`` CPU tensors (the stored bytes); returns
+    ``(3, H, W)`` ``uint8`` RGB tensors on ``device``, via one batched ``torchvision.io.decode_jpeg`` call (nvJPEG on
+    CUDA — that path is written but untested here: no GPU). Raises RuntimeError on bytes that are not a JPEG."""
+    if not data:
+        return []
+    return decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
 
 
 def _read_index(fs: pafs.FileSystem | None, split_dir: str) -> pa.Table:
@@ -106,6 +130,12 @@ class CachedDetectionDataset(Dataset):
             bit for about half the values).
         with_masks: also return the instance masks (for Mask R-CNN); off by default, so box-only models pay
             nothing for them.
+
+    Indices are ``i`` (current epoch, `set_epoch`) or ``(epoch, i)`` pairs, which is what `micro_batches` feeds the
+    DataLoader, so worker processes kept alive across epochs never depend on a stale `set_epoch`.
+    ``encoding`` (``"raw"`` or ``"jpeg"``) is the cache's pixel encoding; ``defer_decode = True`` (set by
+    `micro_batches` for GPU decoding) makes samples carry the JPEG bytes (1-D ``uint8``) and ``target["hflip"]``
+    instead of pixels (boxes and masks are already flipped).
     Raises:
         StageError: no readable ``index.arrow`` under ``root/split``, or its rows are not grouped by image;
             ``with_masks=True`` and some row has an object without a mask (the cache's ``has_masks``).
@@ -124,6 +154,14 @@ class CachedDetectionDataset(Dataset):
         fs, base = open_filesystem(self.root, filesystem)
         self._split_dir = f"{base}/{split}"
         table = _read_index(fs, self._split_dir)
+        schema_meta = table.schema.metadata or {}
+        self.encoding = schema_meta.get(b"encoding", b"raw").decode()
+        if self.encoding not in ENCODINGS:
+            raise StageError(f"{self._split_dir}/{INDEX_FILE}: unknown pixel encoding {self.encoding!r} "
+                             f"(expected one of {ENCODINGS}; re-run the augment stage)")
+        self.defer_decode = False
+        self.local_dir: str | None = None  # streamed shards: where the prefetcher puts them (see micro_batches)
+        self.prefetcher: ShardPrefetcher | None = None  # set by micro_batches while it streams
         col = lambda name: table.column(name).to_numpy()  # noqa: E731
         variant = col("variant").astype(np.int64)
         image_id = col("image_id").astype(np.int64)
@@ -153,7 +191,7 @@ class CachedDetectionDataset(Dataset):
                 first = int(image_id[~has][0])
                 raise StageError(f"{self._split_dir}/{INDEX_FILE}: {bad} of {n_rows} rows (first: image_id {first}) "
                                  f"have objects without an instance mask ({_MASK_RULE})")
-        self._readers: dict[int, ipc.RecordBatchFileReader] = {}
+        self._readers: collections.OrderedDict[int, ipc.RecordBatchFileReader] = collections.OrderedDict()
         self._fs = fs
         self._pid = os.getpid()
         self._flips: tuple[int, np.ndarray] | None = None
@@ -165,58 +203,118 @@ class CachedDetectionDataset(Dataset):
         """Select the epoch whose variants and flips `__getitem__` draws."""
         self.epoch = int(epoch)
 
-    def row(self, i: int) -> int:
-        """Index-file row of sample ``i`` in the current epoch (its variant ``(epoch + seed) mod copies``)."""
-        return i * self.copies + (self.epoch + self.seed) % self.copies
+    def row(self, i: int, epoch: int | None = None) -> int:
+        """Index-file row of sample ``i`` in ``epoch`` (default: the current one): its variant
+        ``(epoch + seed) mod copies``."""
+        epoch = self.epoch if epoch is None else epoch
+        return i * self.copies + (epoch + self.seed) % self.copies
 
-    def flipped(self, i: int) -> bool:
-        """Whether sample ``i`` is flipped in the current epoch (a function of ``(seed, epoch, i)`` only)."""
+    def flipped(self, i: int, epoch: int | None = None) -> bool:
+        """Whether sample ``i`` is flipped in ``epoch`` (default: the current one); a function of
+        ``(seed, epoch, i)`` only."""
+        epoch = self.epoch if epoch is None else int(epoch)
         if self.hflip <= 0:
             return False
-        if self._flips is None or self._flips[0] != self.epoch:
-            draws = np.random.default_rng([self.seed % 2**64, self.epoch, _FLIP_STREAM]).random(len(self))
-            self._flips = (self.epoch, draws < self.hflip)
+        if self._flips is None or self._flips[0] != epoch:
+            draws = np.random.default_rng([self.seed % 2**64, epoch, _FLIP_STREAM]).random(len(self))
+            self._flips = (epoch, draws < self.hflip)
         return bool(self._flips[1][i])
+
+    def sample_shards(self, epoch: int = 0) -> np.ndarray:
+        """``(len(self),)`` int64: the shard (index into the cache's shard list) holding each sample's row in
+        ``epoch``. An image's variants share a shard (the augment stage never splits them), so this is the same
+        for every epoch; it is what the shard-aware `ResumableDistributedSampler` takes as ``shards``."""
+        return self._shard[np.arange(len(self)) * self.copies + (epoch + self.seed) % self.copies]
+
+    def shard_names(self) -> list[str]:
+        """File names of the split's shards (``part-NNNNN.arrow``), indexed as in `sample_shards`."""
+        return list(self._shard_names)
+
+    def _split(self, index) -> tuple[int, int]:
+        """``(epoch, i)`` of a DataLoader index (``i`` or an ``(epoch, i)`` pair)."""
+        if isinstance(index, (tuple, list)):
+            return int(index[0]), int(index[1])
+        return self.epoch, int(index)
 
     def __getstate__(self):  # spawned workers re-open files instead of pickling maps / handles
         state = self.__dict__.copy()
-        state["_readers"] = {}
+        state["_readers"] = collections.OrderedDict()
         if self._explicit_fs is None:
             state["_fs"] = None
         state["_pid"] = None
+        state["prefetcher"] = None  # lives in the training process only
         return state
+
+    def shard_url(self, shard: int) -> str:
+        """Where shard ``shard`` lives (local path, or the URL without its query string)."""
+        base = redact(self.root) if "://" in self.root else self._split_dir.rsplit("/", 1)[0]
+        return f"{base.rstrip('/')}/{self.split}/{self._shard_names[shard]}"
 
     def _reader(self, shard: int) -> ipc.RecordBatchFileReader:
         if self._pid != os.getpid():  # a forked or spawned worker: never reuse the parent's handles / clients
-            self._readers, self._pid = {}, os.getpid()
-            self._fs = open_filesystem(self.root, self._explicit_fs)[0]
+            self._readers, self._pid = collections.OrderedDict(), os.getpid()
+            # streamed: only local copies are read here (an S3 client made in a forked child can dead-lock)
+            self._fs = None if self.local_dir is not None else open_filesystem(self.root, self._explicit_fs)[0]
         reader = self._readers.get(shard)
-        if reader is None:
-            path = f"{self._split_dir}/{self._shard_names[shard]}"
-            try:
+        if reader is not None:
+            self._readers.move_to_end(shard)
+            return reader
+        streamed = self.local_dir is not None
+        path = f"{self._split_dir}/{self._shard_names[shard]}"
+        where = self.shard_url(shard) if streamed else path
+        try:
+            if streamed:  # a whole-shard copy made by the prefetcher: memory-map it
+                source = pa.memory_map(wait_for_shard(self.local_dir, self._shard_names[shard], where))
+            else:
                 source = pa.memory_map(path) if self._fs is None else self._fs.open_input_file(path)
-                reader = ipc.open_file(source)
-            except FileNotFoundError:
-                raise StageError(f"{path}: not found (cache incomplete; re-run the augment stage)") from None
-            except pa.ArrowInvalid as e:
-                raise StageError(f"{path}: not a readable Arrow IPC file ({e})") from None
-            self._readers[shard] = reader
+            reader = ipc.open_file(source)
+        except FileNotFoundError:
+            raise StageError(f"{where}: not found (cache incomplete; re-run the augment stage)") from None
+        except (pa.ArrowInvalid, OSError) as e:
+            raise StageError(f"{where}: not a readable Arrow IPC file ({' '.join(str(e).split())})") from None
+        self._readers[shard] = reader
+        if streamed and len(self._readers) > _OPEN_SHARDS:  # unmap the least recently used copy
+            self._readers.popitem(last=False)
         return reader
 
     def _record(self, r: int) -> pa.RecordBatch:
-        return self._reader(self._shard[r]).get_batch(self._batch[r])
+        shard = int(self._shard[r])
+        try:
+            return self._reader(shard).get_batch(int(self._batch[r]))
+        except (pa.ArrowInvalid, OSError) as e:
+            raise StageError(f"{self.shard_url(shard)}: record batch {int(self._batch[r])} unreadable "
+                             f"({' '.join(str(e).split())})") from None
 
-    def pixels(self, i: int, record: pa.RecordBatch | None = None) -> torch.Tensor:
-        """Cached uint8 pixels of sample ``i`` (current epoch's variant, not flipped): ``(3, H, W)`` uint8 tensor
-        viewing the memory map / read buffer (read-only: do not write to it)."""
-        r = self.row(i)
-        h, w = self._hw[r]
-        col = (record if record is not None else self._record(r)).column("pixels")
-        start = int(np.frombuffer(col.buffers()[1], dtype=np.int32, count=1, offset=4 * col.offset)[0])
-        arr = np.frombuffer(col.buffers()[2], dtype=np.uint8, count=3 * h * w, offset=start)
+    def _stored(self, r: int, record: pa.RecordBatch) -> torch.Tensor:
+        """The ``pixels`` cell of row ``r`` as a 1-D uint8 tensor viewing the record's buffer (read-only)."""
+        col = record.column("pixels")
+        offsets = np.frombuffer(col.buffers()[1], dtype=np.int32, count=2, offset=4 * col.offset)
+        arr = np.frombuffer(col.buffers()[2], dtype=np.uint8, count=int(offsets[1] - offsets[0]),
+                            offset=int(offsets[0]))
         with warnings.catch_warnings():  # the buffer is read-only; we only ever read it
             warnings.simplefilter("ignore", UserWarning)
-            return torch.from_numpy(arr).view(3, h, w)
+            return torch.from_numpy(arr)
+
+    def _decoded(self, r: int, stored: torch.Tensor) -> torch.Tensor:
+        h, w = (int(v) for v in self._hw[r])
+        if self.encoding == "raw":
+            return stored.view(3, h, w)
+        try:
+            image = decode_images([stored])[0]
+        except RuntimeError as e:
+            raise StageError(f"{self.shard_url(int(self._shard[r]))}: image_id {int(self._image_id[r])}: "
+                             f"JPEG not decodable ({' '.join(str(e).split())})") from None
+        if tuple(image.shape) != (3, h, w):
+            raise StageError(f"{self.shard_url(int(self._shard[r]))}: image_id {int(self._image_id[r])}: decoded "
+                             f"size {tuple(image.shape)} != index (3, {h}, {w})")
+        return image
+
+    def pixels(self, i: int, record: pa.RecordBatch | None = None, epoch: int | None = None) -> torch.Tensor:
+        """Cached uint8 pixels of sample ``i`` (``epoch``'s variant, default the current epoch; not flipped):
+        ``(3, H, W)`` uint8 tensor; for a raw cache a view of the memory map / read buffer (read-only: do not
+        write to it), for a JPEG cache freshly decoded."""
+        r = self.row(i, epoch)
+        return self._decoded(r, self._stored(r, record if record is not None else self._record(r)))
 
     def masks(self, i: int, record: pa.RecordBatch | None = None) -> np.ndarray:
         """Instance masks of sample ``i`` (current epoch's variant, not flipped): ``(N, H, W)`` uint8 0/1 numpy
@@ -244,20 +342,38 @@ class CachedDetectionDataset(Dataset):
         decoded = mask_utils.decode([{"size": [h, w], "counts": c} for c in counts])  # (h, w, n), column-major
         return decoded.transpose(2, 0, 1)
 
-    def __getitem__(self, i: int):
-        return self._sample(i)
+    def __getitem__(self, index):
+        epoch, i = self._split(index)
+        return self._sample(i, epoch)
 
-    def __getitems__(self, indices: list[int]) -> list[tuple[torch.Tensor, dict]]:
-        """Samples ``indices`` (what a DataLoader fetches per batch). In a DataLoader worker process the batch's
-        images, boxes, labels and metadata are written into one tensor each and returned as views of it, so
-        the batch crosses to the main process as a few shared-memory segments instead of ~7 per image (values,
-        shapes and dtypes exactly as `__getitem__`'s)."""
-        if torch.utils.data.get_worker_info() is None:
-            return [self._sample(i) for i in indices]
-        rows = [self.row(i) for i in indices]
-        for i in indices:
+    def _decode_batch(self, pairs: list[tuple[int, int]]) -> list[torch.Tensor | None]:
+        """Decoded pixels of a batch's JPEG samples with one `decode_images` call (None entries for a raw cache or
+        with ``defer_decode``: `_sample` reads those itself)."""
+        if self.encoding != "jpeg" or self.defer_decode or len(pairs) < 2:
+            return [None] * len(pairs)
+        rows = [self.row(i, e) for e, i in pairs]
+        stored = [self._stored(r, self._record(r)) for r in rows]
+        try:
+            images = decode_images(stored)
+        except RuntimeError:  # find the bad one and name it
+            return [self._decoded(r, s) for r, s in zip(rows, stored)]
+        return [self._decoded(r, s) if tuple(im.shape) != (3, *self._hw[r]) else im
+                for r, s, im in zip(rows, stored, images)]
+
+    def __getitems__(self, indices: list) -> list[tuple[torch.Tensor, dict]]:
+        """Samples ``indices`` (what a DataLoader fetches per batch; ints or ``(epoch, i)`` pairs), JPEGs decoded
+        in one batched call. In a DataLoader worker process the batch's images, boxes, labels and metadata are
+        written into one tensor each and returned as views of it, so the batch crosses to the main process as a
+        few shared-memory segments instead of ~7 per image (values, shapes and dtypes exactly as
+        `__getitem__`'s)."""
+        pairs = [self._split(index) for index in indices]
+        for _, i in pairs:
             if not 0 <= i < len(self):
                 raise IndexError(f"sample {i} out of range (dataset of {len(self)})")
+        decoded = self._decode_batch(pairs)
+        if torch.utils.data.get_worker_info() is None or self.defer_decode:
+            return [self._sample(i, e, u8=d) for (e, i), d in zip(pairs, decoded)]
+        rows = [self.row(i, e) for e, i in pairs]
         numel = [3 * int(self._hw[r, 0]) * int(self._hw[r, 1]) for r in rows]
         n_box = [int(self._box_off[r + 1] - self._box_off[r]) for r in rows]
         images = torch.empty(sum(numel), dtype=self.image_dtype)
@@ -268,37 +384,48 @@ class CachedDetectionDataset(Dataset):
         mask_numel = [n * e // 3 for n, e in zip(n_box, numel)] if self.with_masks else [0] * len(rows)
         masks = torch.empty(sum(mask_numel), dtype=torch.uint8)
         out, o, b, m = [], 0, 0, 0
-        for j, i in enumerate(indices):
+        for j, (e, i) in enumerate(pairs):
             r = rows[j]
             h, w = (int(v) for v in self._hw[r])
             masks_out = masks[m:m + mask_numel[j]].view(n_box[j], h, w) if self.with_masks else None
-            image, target = self._sample(i, images[o:o + numel[j]].view(3, h, w), boxes[b:b + n_box[j]],
-                                         labels[b:b + n_box[j]], ints[j], floats[j], masks_out)
+            image, target = self._sample(i, e, images[o:o + numel[j]].view(3, h, w), boxes[b:b + n_box[j]],
+                                         labels[b:b + n_box[j]], ints[j], floats[j], masks_out, u8=decoded[j])
             out.append((image, target))
             o, b, m = o + numel[j], b + n_box[j], m + mask_numel[j]
         return out
 
-    def _sample(self, i: int, image: torch.Tensor | None = None, boxes_out: torch.Tensor | None = None,
-                labels_out: torch.Tensor | None = None, ints: torch.Tensor | None = None,
-                floats: torch.Tensor | None = None, masks_out: torch.Tensor | None = None):
-        """Sample ``i``; the optional tensors are preallocated outputs (see `__getitems__`)."""
+    def _sample(self, i: int, epoch: int | None = None, image: torch.Tensor | None = None,
+                boxes_out: torch.Tensor | None = None, labels_out: torch.Tensor | None = None,
+                ints: torch.Tensor | None = None, floats: torch.Tensor | None = None,
+                masks_out: torch.Tensor | None = None, u8: torch.Tensor | None = None):
+        """Sample ``i`` of ``epoch``; the optional tensors are preallocated outputs (see `__getitems__`), ``u8``
+        the already decoded pixels."""
         if not 0 <= i < len(self):
             raise IndexError(f"sample {i} out of range (dataset of {len(self)})")
-        r = self.row(i)
-        record = self._record(r)
-        u8 = self.pixels(i, record)
+        epoch = self.epoch if epoch is None else epoch
+        r = self.row(i, epoch)
+        record = self._record(r) if u8 is None or self.with_masks else None
+        flip = self.flipped(i, epoch)
+        if self.defer_decode and self.encoding == "jpeg":
+            u8 = self._stored(r, record).clone()  # the JPEG bytes; decoded (and flipped) by micro_batches
+        elif u8 is None:
+            u8 = self._decoded(r, self._stored(r, record))
         boxes = self._boxes[self._box_off[r]:self._box_off[r + 1]]
         masks = self._masks_view(r, record) if self.with_masks else None
-        if self.flipped(i):
-            u8 = u8.flip(-1)  # flip uint8 (cheap), before the float conversion
+        deferred = self.defer_decode and self.encoding == "jpeg"
+        if flip:
+            if not deferred:
+                u8 = u8.flip(-1)  # flip uint8 (cheap), before the float conversion
             w = float(self._hw[r, 1])
             boxes = np.stack([w - boxes[:, 2], boxes[:, 1], w - boxes[:, 0], boxes[:, 3]], axis=1)
             if masks is not None:
                 masks = masks[:, :, ::-1]
-        if self.image_dtype == torch.uint8:
+        if deferred:
+            image = u8
+        elif self.image_dtype == torch.uint8:
             image = u8.clone(memory_format=torch.contiguous_format) if image is None else image.copy_(u8)
         elif image is None:
-            image = u8.to(torch.float32).mul_(1.0 / 255)
+            image = u8.to(torch.float32, memory_format=torch.contiguous_format).mul_(1.0 / 255)
         else:
             torch.mul(u8, 1.0 / 255, out=image)
         labels = self._labels[self._lab_off[r]:self._lab_off[r + 1]]
@@ -318,6 +445,8 @@ class CachedDetectionDataset(Dataset):
             floats.copy_(torch.from_numpy(np.concatenate([self._scale[r], self._offset[r]])))
             target = {"boxes": boxes_out, "labels": labels_out, "image_id": ints[0], "scale": floats[0:2],
                       "offset": floats[2:4], "orig_size": ints[1:3]}
+        if deferred:
+            target["hflip"] = torch.tensor(flip)
         if masks is not None:
             if masks_out is None:
                 target["masks"] = torch.from_numpy(np.ascontiguousarray(masks))
@@ -325,87 +454,6 @@ class CachedDetectionDataset(Dataset):
                 masks_out.numpy()[...] = masks  # one strided copy (numpy takes the flip's negative strides)
                 target["masks"] = masks_out
         return image, target
-
-
-class ResumableDistributedSampler(Sampler[int]):
-    """Shuffled sample indices for one rank, deterministic per ``(seed, epoch)``, resumable inside an epoch.
-
-    Each epoch is a permutation of ``range(size)`` (``numpy.random.default_rng([seed, epoch]).permutation``;
-    identity if ``shuffle`` is False), cut to a multiple of ``world_size`` (``drop_last``) or padded by
-    repeating from its start, then strided by rank as in ``torch.utils.data.DistributedSampler``: ranks see
-    disjoint samples (with ``drop_last``), together all but ``size mod world_size`` of them.
-
-    Resuming: `state_dict` records ``{"epoch", "start"}`` (plus the settings, checked on load), ``start`` being
-    how many of this rank's indices of the epoch are already consumed; `load_state_dict` (or
-    ``set_epoch(epoch, start)``) makes the next iteration continue right after them, so a resumed run gets
-    exactly the batches it would have seen.
-    """
-
-    def __init__(self, size: int, world_size: int = 1, rank: int = 0, seed: int = 0,
-                 shuffle: bool = True, drop_last: bool = True):
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} outside world size {world_size}")
-        if size < 0:
-            raise ValueError(f"size must be >= 0, got {size}")
-        self.size, self.world_size, self.rank, self.seed = size, world_size, rank, seed
-        self.shuffle, self.drop_last = shuffle, drop_last
-        self.epoch, self.start, self._yielded = 0, 0, 0
-        self.num_samples = (size // world_size) if drop_last else math.ceil(size / world_size)
-
-    def set_epoch(self, epoch: int, start: int = 0) -> None:
-        """Select the epoch, and how many of this rank's indices of it to skip (already consumed)."""
-        if not 0 <= start <= self.num_samples:
-            raise ValueError(f"start {start} outside 0..{self.num_samples}")
-        self.epoch, self.start, self._yielded = int(epoch), int(start), 0
-
-    def indices(self) -> list[int]:
-        """This rank's full index list for the current epoch (``num_samples`` ints in ``[0, size)``)."""
-        if self.shuffle:
-            order = np.random.default_rng([self.seed % 2**64, self.epoch]).permutation(self.size)
-        else:
-            order = np.arange(self.size)
-        total = self.num_samples * self.world_size
-        if not self.drop_last and total > self.size:
-            order = np.resize(order, total)  # pads by repeating from the start
-        return order[self.rank:total:self.world_size].tolist()
-
-    def __iter__(self) -> Iterator[int]:
-        self._yielded = 0
-        for idx in self.indices()[self.start:]:
-            self._yielded += 1
-            yield idx
-
-    def __len__(self) -> int:
-        return self.num_samples - self.start
-
-    def state_dict(self, consumed: int | None = None) -> dict:
-        """Position to resume from: ``{"epoch", "start", "size", "world_size", "seed", "shuffle", "drop_last"}``.
-
-        Args:
-            consumed: indices of the current iteration that the training loop has actually used (e.g. batches
-                done x batch size). Default: all the indices this sampler has handed out — the same thing when
-                the DataLoader has ``num_workers=0``; worker processes read ahead (``prefetch_factor`` batches
-                each), so pass ``consumed`` then.
-        A finished epoch is recorded as the start of the next one.
-        """
-        pos = self.start + (self._yielded if consumed is None else int(consumed))
-        epoch = self.epoch
-        if self.num_samples and pos >= self.num_samples:
-            epoch, pos = epoch + 1, 0
-        return {"epoch": epoch, "start": pos, "size": self.size, "world_size": self.world_size,
-                "seed": self.seed, "shuffle": self.shuffle, "drop_last": self.drop_last}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Continue from `state_dict`'s position.
-
-        Raises:
-            ValueError: the state was made with another size, world size, seed, shuffle or drop_last (the
-                sequence would differ, so resuming would not reproduce the batches).
-        """
-        for key in ("size", "world_size", "seed", "shuffle", "drop_last"):
-            if key in state and state[key] != getattr(self, key):
-                raise ValueError(f"sampler state has {key}={state[key]!r}, this sampler {getattr(self, key)!r}")
-        self.set_epoch(int(state["epoch"]), int(state["start"]))
 
 
 def collate(batch: list[tuple[torch.Tensor, dict]]) -> tuple[list[torch.Tensor], list[dict]]:
@@ -452,27 +500,112 @@ def read_meta(path: str | Path) -> dict:
         raise StageError(f"{path}: not valid JSON ({e})") from None
 
 
+def _epoch_plan(sampler: ResumableDistributedSampler, epoch: int, start: int, offset: int,
+                step: int) -> list[int]:
+    """The indices this rank reads in ``epoch`` from its position ``start`` (whole optimizer steps of ``step``
+    samples only, as training uses them)."""
+    s = copy.copy(sampler)
+    s.set_epoch(epoch, start, offset)
+    left = s.indices()[start:]
+    return left[:len(left) // step * step]
+
+
+def _plan(sampler: ResumableDistributedSampler, epoch: int, start: int, offset: int,
+          step: int) -> Iterator[tuple[int, list[int]]]:
+    """``(epoch, indices)`` for the first (possibly resumed) epoch and every later one (endless)."""
+    while True:
+        yield epoch, _epoch_plan(sampler, epoch, start, offset, step)
+        epoch, start, offset = epoch + 1, 0, 0
+
+
+class _BatchPlan:
+    """Endless batch sampler over `_plan`: lists of ``(epoch, i)`` (one DataLoader batch each)."""
+
+    def __init__(self, plan: Iterator[tuple[int, list[int]]], batch_size: int):
+        self.plan, self.batch_size = plan, batch_size
+
+    def __iter__(self):
+        for epoch, indices in self.plan:
+            for b in range(0, len(indices), self.batch_size):
+                yield [(epoch, i) for i in indices[b:b + self.batch_size]]
+
+
+def _one_line(e: Exception) -> str:
+    """A DataLoader worker's re-raised `StageError` carries the worker's traceback: keep its own message."""
+    last = str(e).strip().splitlines()[-1] if str(e).strip() else ""
+    prefix = "detpipe.errors.StageError: "
+    return last[len(prefix):] if last.startswith(prefix) else " ".join(str(e).split())
+
+
 def micro_batches(dataset: CachedDetectionDataset, sampler: ResumableDistributedSampler, start_iter: int,
                   iters_per_epoch: int, batch_size: int, accumulate: int, num_workers: int = 0,
-                  pin_memory: bool = False) -> Iterator[list[tuple[list[torch.Tensor], list[dict]]]]:
+                  pin_memory: bool = False, local_dir: str | None = None, local_bytes: int = 2 * 10**9,
+                  decode_device: torch.device | None = None,
+                  ) -> Iterator[list[tuple[list[torch.Tensor], list[dict]]]]:
     """Endless training input from iteration ``start_iter`` on: each item is one optimizer step's list of
     ``accumulate`` micro-batches ``(images, targets)`` as `collate` returns them (this rank's share).
 
-    Epoch ``e`` covers iterations ``e * iters_per_epoch ..``; the sampler is positioned from ``start_iter``, so
-    a resumed run reads exactly what an uninterrupted one would. Incomplete batches at an epoch's end are
-    dropped (``drop_last``).
+    Epoch ``e`` covers iterations ``e * iters_per_epoch ..``; the sampler is positioned from ``start_iter``, so a
+    resumed run reads exactly what an uninterrupted one would — unless the sampler was loaded from a state saved at
+    another world size mid-epoch (its ``offset`` > 0): that epoch then continues from the sampler's own position
+    for ``sampler.remaining_in_epoch() // (batch_size * accumulate)`` iterations, and later epochs are the normal
+    ones. Incomplete steps at an epoch's end are dropped (``drop_last``).
+
+    One DataLoader serves every epoch (its ``num_workers`` processes start once and live until the generator is
+    closed): the batch sampler hands out ``(epoch, i)`` pairs, so nothing in a worker depends on per-epoch state.
+
+    Streaming: when ``dataset`` reads a URL, a `detpipe.streaming.ShardPrefetcher` copies the whole shards this
+    rank will need, in the order of the plan, into ``local_dir`` (None: a temporary folder), holding at most about
+    ``local_bytes`` bytes, and deletes each once its last sample is consumed; the dataset memory-maps the copies.
+    ``decode_device`` (a CUDA device) decodes a JPEG cache's images there (`decode_images`) instead of in the
+    loader; images then arrive as float32 on that device.
+
+    Raises:
+        StageError: one line from the data (unreadable or missing shard, naming its path or URL).
     """
-    it = start_iter
-    while True:
-        epoch, pos = divmod(it, iters_per_epoch)
-        sampler.set_epoch(epoch, pos * batch_size * accumulate)
-        dataset.set_epoch(epoch)
-        loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
-                            collate_fn=collate, drop_last=True, pin_memory=pin_memory)
-        micro = []
-        for batch in loader:
-            micro.append(batch)
+    step = batch_size * accumulate
+    if sampler.offset:  # resumed from another world size in the middle of an epoch
+        epoch, start, offset = sampler.epoch, sampler.start, sampler.offset
+    else:
+        epoch, pos = divmod(start_iter, iters_per_epoch)
+        start, offset = pos * step, 0
+    defer = decode_device is not None and torch.device(decode_device).type == "cuda" and dataset.encoding == "jpeg"
+    dataset.defer_decode = defer
+    prefetcher = None
+    if dataset._fs is not None and dataset._explicit_fs is None and "://" in dataset.root:
+        shards = dataset.sample_shards()
+        lookahead = batch_size * (max(1, num_workers) * 2 + 2)  # DataLoader read-ahead: prefetch_factor 2/worker
+        prefetcher = ShardPrefetcher(dataset._fs, dataset._split_dir, f"{redact(dataset.root)}/{dataset.split}",
+                                     dataset.shard_names(), local_dir, local_bytes,
+                                     (shards[np.asarray(ix, dtype=np.int64)] for _, ix in
+                                      _plan(sampler, epoch, start, offset, step)), lookahead,
+                                     horizon=max(sampler.num_samples, lookahead))
+        dataset.local_dir, dataset.prefetcher = prefetcher.local_dir, prefetcher
+    loader = DataLoader(dataset, batch_sampler=_BatchPlan(_plan(sampler, epoch, start, offset, step), batch_size),
+                        num_workers=num_workers, collate_fn=collate, pin_memory=pin_memory)
+    it, consumed, micro = iter(loader), 0, []
+    try:
+        while True:
+            try:
+                images, targets = next(it)
+            except StageError as e:
+                raise StageError(prefetcher.error if prefetcher and prefetcher.error else _one_line(e)) from None
+            consumed += len(images)
+            if prefetcher is not None:
+                if prefetcher.error:
+                    raise StageError(prefetcher.error)
+                prefetcher.consumed(consumed)
+            if defer:
+                flips = [bool(t.pop("hflip")) for t in targets]
+                images = [(im.flip(-1) if f else im).float().mul_(1 / 255)
+                          for im, f in zip(decode_images(images, decode_device), flips)]
+            micro.append((images, targets))
             if len(micro) == accumulate:
                 yield micro
                 micro = []
-                it += 1
+    finally:
+        del it
+        if prefetcher is not None:
+            prefetcher.close()
+            dataset.local_dir = dataset.prefetcher = None
+        dataset.defer_decode = False

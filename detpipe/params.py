@@ -50,6 +50,10 @@ class Augment(_Section):
     copies: int = Field(default=0, ge=0, description='SSD-style augmented copies per train image (photometric, zoom-out, IoU crop), stored beside the original.')
     seed: int = Field(default=0, description='Seed of the augmented copies (one stream per image and copy).')
     workers: int = Field(default=2, ge=0, description='Processes that decode and resize (0 = in this process); does not change the output.')
+    encoding: Literal["raw", "jpeg"] = Field(default="jpeg", description='Stored pixels: raw (uint8 CHW, no decode at load time) or jpeg (torchvision.io.encode_jpeg; decoded at load time with decode_jpeg, batched, on the GPU when training on CUDA).')
+    jpeg_quality: int = Field(default=90, ge=1, le=100, description='JPEG quality (1-100) of encoding: jpeg.')
+    upscale: bool = Field(default=True, description='keep_ratio: store images the rule would enlarge at their original size instead (false; the model transform enlarges them per step), which keeps a jpeg cache below the source size at 800/1333.')
+    shard_mb: float = Field(default=32, gt=0, description='Stored image bytes per cache shard, in MB (10^6 bytes); tens of MB suit streaming whole shards from object storage.')
 
 
 class Train(_Section):
@@ -88,6 +92,8 @@ class Train(_Section):
     eval_every: int = Field(default=0, ge=0, description='Iterations between COCO evaluations on val (0 = off); the best goes to checkpoints/best.pt.')
     log_every: int = Field(default=1, ge=1, description='Iterations between DVCLive metric rows.')
     cache_url: Optional[str] = Field(default=None, description='Read the augmentation cache from this URL (s3://bucket/cache?endpoint_override=host:port&scheme=http) instead of data/cache.')
+    cache_local_dir: Optional[str] = Field(default=None, description='cache_url: folder where whole shards are prefetched before use (deleted when consumed); null = a temporary folder.')
+    cache_local_bytes: int = Field(default=2_000_000_000, ge=1, description='cache_url: bytes of prefetched shards held in cache_local_dir (about; a shard needed now is fetched even beyond it). 2 x 8 shards or more keeps the loader from waiting.')
 
     @field_validator("amp", mode="before")
     @classmethod

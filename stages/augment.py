@@ -9,7 +9,9 @@ at load time by `detpipe.data.CachedDetectionDataset`.
 Cache layout (Arrow IPC *file* format, uncompressed, so shards can be memory-mapped or read by byte range):
 
 * ``part-NNNNN.arrow``: `CACHE_SCHEMA`, **one record batch per row** (so a single image can be read from
-  object storage with one ranged read), at most ~`SHARD_BYTES` pixel bytes per shard.
+  object storage with one ranged read), about ``augment.shard_mb`` MB of stored pixel bytes per shard (default 32:
+  tens of MB, so training can stream whole shards from object storage); an image's variants never straddle two
+  shards.
 * ``index.arrow``: `INDEX_SCHEMA` = `CACHE_SCHEMA` without ``pixels`` and ``masks``, plus ``has_masks``, ``shard``
   (file name) and ``batch`` (record batch number inside that shard). The loader reads only this file at start-up.
 
@@ -31,8 +33,24 @@ masks          list<binary> (nullable)           per object of ``boxes`` (same o
                                                  cached size as the ``counts`` of a pycocotools compressed
                                                  RLE (``{"size": [height, width], "counts": ...}``, column-
                                                  major); null when an object of the row has no segmentation
-pixels         binary                            ``3 * height * width`` bytes, uint8, CHW (planar), RGB
+pixels         binary                            ``encoding: raw``: ``3 * height * width`` bytes, uint8, CHW
+                                                 (planar), RGB; ``encoding: jpeg``: a baseline JPEG of that
+                                                 image (``torchvision.io.encode_jpeg``, ``augment.jpeg_quality``)
 ============== ================================= ==========================================================
+
+Both files carry the Arrow schema metadata ``encoding`` (``raw`` or ``jpeg``), which the loader follows.
+
+Encoding (``augment.encoding``): ``jpeg`` (default) re-encodes each resized image at ``jpeg_quality`` (90): on
+COCO128 the cache is 0.20x the source JPEG bytes at ``fixed 320`` (raw: 1.79x) and decoding it at load time
+(``torchvision.io.decode_jpeg``, batched) still runs many times faster than training consumes images
+(``benchmarks/cache_size.py``). Pixels then differ from the raw cache by JPEG's loss (a few levels on
+average); boxes, labels, masks, variants and scales are identical. The original file bytes are never reused
+as they are: a re-encode at quality 90 of the same pixels is ~0.56x the COCO source bytes, smaller, and it
+keeps one decoder path and EXIF orientation already applied.
+
+``augment.upscale: false`` (keep_ratio): an image the rule would enlarge is stored at its original size
+(scale 1); the model's own transform enlarges it per step. At ``keep_ratio 800/1333`` with ``jpeg`` this keeps
+the cache at 0.56x the source bytes instead of 1.15x (COCO images are ~640x480, all enlarged).
 
 ``index.arrow`` also has ``has_masks`` (bool): the row's ``masks`` is not null (every object has a mask; true for
 an image without objects). ``meta.json`` says ``"masks": true`` when every row of every split has masks and there
@@ -90,6 +108,7 @@ import pyarrow.ipc as ipc
 import torch
 from pycocotools import mask as mask_utils
 from torchvision import tv_tensors
+from torchvision.io import encode_jpeg
 from torchvision.transforms import v2 as T
 from torchvision.transforms.v2 import functional as TF
 from tqdm import tqdm
@@ -104,9 +123,8 @@ from detpipe.imageio import decode_rgb
 log = logging.getLogger("stages.augment")
 
 SPLITS = ("train", "val")
-SHARD_BYTES = 256 << 20  # pixel bytes per output shard
 INDEX_FILE = "index.arrow"
-CACHE_FORMAT = 3  # 3: masks column
+CACHE_FORMAT = 4  # 3: masks column; 4: encoding (schema metadata), shard_mb
 # Fill of the zoom-out canvas: the ImageNet mean in 0..255, as in torchvision's references/detection/presets.py.
 ZOOM_OUT_FILL = (123, 117, 104)
 
@@ -137,13 +155,15 @@ def target_size(orig_h: int, orig_w: int, cfg: params_mod.Augment) -> tuple[int,
     ``fixed``: ``(size, size)``. ``keep_ratio``: with ``s = min(min_size / short, max_size / long)`` (torchvision's
     ``GeneralizedRCNNTransform`` rule), the limiting side becomes exactly ``min_size`` (or ``max_size``) and the
     other ``floor(side * s)`` (at least 1), so the model's transform computes ``s = 1`` on the result and does not
-    resize again (see the module docstring).
+    resize again (see the module docstring). With ``cfg.upscale`` false and ``s > 1``: ``(orig_h, orig_w)``.
     """
     if cfg.resize == "fixed":
         return cfg.size, cfg.size
     short, long_ = min(orig_h, orig_w), max(orig_h, orig_w)
     s_short, s_long = cfg.min_size / short, cfg.max_size / long_
     s = min(s_short, s_long)
+    if s > 1 and not getattr(cfg, "upscale", True):
+        return orig_h, orig_w
     out = [max(1, math.floor(orig_h * s)), max(1, math.floor(orig_w * s))]
     short_i, long_i = (0, 1) if orig_h <= orig_w else (1, 0)
     if s_short <= s_long:
@@ -166,6 +186,14 @@ def resize_pixels(pixels: np.ndarray | torch.Tensor, size: tuple[int, int]) -> n
     if tuple(chw.shape[-2:]) != tuple(size):
         chw = TF.resize(chw, list(size), interpolation=T.InterpolationMode.BILINEAR, antialias=True)
     return chw.contiguous().numpy()
+
+
+def encode_pixels(chw: np.ndarray, cfg: params_mod.Augment) -> bytes:
+    """The ``pixels`` cell for a ``(3, h, w)`` uint8 image: its raw bytes, or with ``cfg.encoding == "jpeg"`` a
+    JPEG at ``cfg.jpeg_quality`` (``torchvision.io.encode_jpeg``: libjpeg-turbo, 4:2:0, deterministic)."""
+    if getattr(cfg, "encoding", "raw") == "raw":
+        return chw.tobytes()
+    return encode_jpeg(torch.from_numpy(np.ascontiguousarray(chw)), quality=cfg.jpeg_quality).numpy().tobytes()
 
 
 def coco_to_xyxy(bbox_xywh: np.ndarray, height: int, width: int) -> np.ndarray:
@@ -394,7 +422,7 @@ def process_image(row: dict, cfg: params_mod.Augment, copies: int) -> tuple[list
             "image_id": image_id, "variant": k, "height": h, "width": w, "orig_height": oh, "orig_width": ow,
             "scale_y": sy, "scale_x": sx, "offset_y": off_y, "offset_x": off_x,
             "boxes": b[ok].astype(np.float32).tolist(), "labels": np.asarray(lab, dtype=np.int64)[ok].tolist(),
-            "masks": masks, "pixels": resize_pixels(img, (h, w)).tobytes(),
+            "masks": masks, "pixels": encode_pixels(resize_pixels(img, (h, w)), cfg),
         })
     return rows, counts
 
@@ -426,23 +454,30 @@ def _iter_source_batches(split_dir: Path, rows_per_task: int = 8) -> Iterator[li
 
 
 class _ShardWriter:
-    """Writes cache rows, one record batch each, into ``part-NNNNN.arrow`` files of at most ~`SHARD_BYTES`
-    pixel bytes, and collects the index rows."""
+    """Writes cache rows, one record batch each, into ``part-NNNNN.arrow`` files of about ``shard_bytes`` stored
+    pixel bytes (a new shard starts only between images), and collects the index rows."""
 
-    def __init__(self, out_dir: Path):
+    def __init__(self, out_dir: Path, shard_bytes: int = 32 * 10**6, encoding: str = "raw"):
         self.out_dir, self.index, self.bytes, self.writer, self.batch = out_dir, 0, 0, None, 0
+        self.shard_bytes = shard_bytes
+        self.schema = CACHE_SCHEMA.with_metadata({"encoding": encoding})
         self.shards: list[str] = []
         self.index_rows: list[dict] = []
 
-    def write(self, row: dict) -> None:
-        if self.writer is None or self.bytes >= SHARD_BYTES:
+    def write_image(self, rows: list[dict]) -> None:
+        """Write one image's rows (its variants) into the current shard, starting a new one first if full."""
+        if self.writer is None or self.bytes >= self.shard_bytes:
             self.close()
             name = f"part-{self.index:05d}.arrow"
-            self.writer = ipc.new_file(str(self.out_dir / name), CACHE_SCHEMA)
+            self.writer = ipc.new_file(str(self.out_dir / name), self.schema)
             self.shards.append(name)
             self.index += 1
+        for row in rows:
+            self._write(row)
+
+    def _write(self, row: dict) -> None:
         arrays = [pa.array([row[f.name]], type=f.type) for f in CACHE_SCHEMA]
-        self.writer.write_batch(pa.RecordBatch.from_arrays(arrays, schema=CACHE_SCHEMA))
+        self.writer.write_batch(pa.RecordBatch.from_arrays(arrays, schema=self.schema))
         self.index_rows.append({**{k: v for k, v in row.items() if k not in ("pixels", "masks")},
                                 "has_masks": row["masks"] is not None, "shard": self.shards[-1],
                                 "batch": self.batch})
@@ -458,8 +493,9 @@ class _ShardWriter:
         """Write the collected index rows as one Arrow IPC file (`INDEX_SCHEMA`)."""
         cols = {f.name: [r[f.name] for r in self.index_rows] for f in INDEX_SCHEMA}
         arrays = [pa.array(cols[f.name], type=f.type) for f in INDEX_SCHEMA]
-        with ipc.new_file(str(path), INDEX_SCHEMA) as w:
-            w.write_table(pa.Table.from_arrays(arrays, schema=INDEX_SCHEMA))
+        schema = INDEX_SCHEMA.with_metadata(self.schema.metadata)
+        with ipc.new_file(str(path), schema) as w:
+            w.write_table(pa.Table.from_arrays(arrays, schema=schema))
 
 
 def build_cache(arrow_dir: Path, cache_dir: Path, cfg: params_mod.Augment) -> dict:
@@ -477,11 +513,14 @@ def build_cache(arrow_dir: Path, cache_dir: Path, cfg: params_mod.Augment) -> di
     if not meta_in.is_file():
         raise StageError(f"{meta_in}: not found (run the convert stage first)")
     meta = {"format": CACHE_FORMAT, "resize": cfg.resize, "size": cfg.size, "min_size": cfg.min_size,
-            "max_size": cfg.max_size, "copies": cfg.copies, "seed": cfg.seed,
+            "max_size": cfg.max_size, "upscale": cfg.upscale, "copies": cfg.copies, "seed": cfg.seed,
+            "encoding": cfg.encoding, "jpeg_quality": cfg.jpeg_quality if cfg.encoding == "jpeg" else None,
+            "shard_mb": cfg.shard_mb,
             "augmentation": ("torchvision.transforms.v2 RandomPhotometricDistort, RandomZoomOut(fill="
                              f"{list(ZOOM_OUT_FILL)}), RandomIoUCrop, SanitizeBoundingBoxes (train split)"
                              if cfg.copies else "none"),
-            "pixel_format": "uint8 CHW RGB", "box_format": "XYXY pixels",
+            "pixel_format": "uint8 CHW RGB" if cfg.encoding == "raw" else "JPEG (decodes to uint8 RGB)",
+            "box_format": "XYXY pixels",
             "mask_format": "pycocotools compressed RLE counts at the cached size, one per box", "masks": False,
             "index": INDEX_FILE, "splits": {}}
     workers = max(0, cfg.workers)
@@ -493,7 +532,7 @@ def build_cache(arrow_dir: Path, cache_dir: Path, cfg: params_mod.Augment) -> di
                     raise StageError(f"{split_dir}: not found (run the convert stage first)")
                 copies = cfg.copies if split == "train" else 0
                 (tmp / split).mkdir()
-                writer = _ShardWriter(tmp / split)
+                writer = _ShardWriter(tmp / split, int(cfg.shard_mb * 10**6), cfg.encoding)
                 counts = {"images": 0, "rows": 0, "boxes": 0, "crowd_excluded": 0, "degenerate_dropped": 0,
                           "crop_dropped": 0, "masks": 0, "rows_without_masks": 0}
                 tasks = ((rows, cfg, copies) for rows in _iter_source_batches(split_dir))
@@ -501,8 +540,8 @@ def build_cache(arrow_dir: Path, cache_dir: Path, cfg: params_mod.Augment) -> di
                 with tqdm(desc=f"augment {split}", unit="img", disable=None) as bar:
                     for out in results:
                         for rows, c in out:
+                            writer.write_image(rows)
                             for r in rows:
-                                writer.write(r)
                                 counts["boxes"] += len(r["labels"])
                                 counts["masks"] += len(r["masks"] or ())
                                 counts["rows_without_masks"] += r["masks"] is None

@@ -73,7 +73,8 @@ class Trainer(TrainerBase):
                                              gradient_as_bucket_view=True) if self.distributed else model
         self.optimizer = optimizer
         self.dataset = dataset
-        self.sampler = ResumableDistributedSampler(len(dataset), world_size, rank, seed=cfg.seed)
+        self.sampler = ResumableDistributedSampler(len(dataset), world_size, rank, seed=cfg.seed,
+                                                   shards=dataset.sample_shards())
         self.iters_per_epoch = self.sampler.num_samples // (cfg.batch_size * cfg.accumulate)
         if self.iters_per_epoch == 0:
             raise StageError(f"{CACHE_DIR}/train: {len(dataset)} images is fewer than one step per rank "
@@ -104,7 +105,8 @@ class Trainer(TrainerBase):
         if self._data is None:
             self._data = micro_batches(self.dataset, self.sampler, self.iter, self.iters_per_epoch,
                                        self.cfg.batch_size, self.cfg.accumulate, self.cfg.num_workers,
-                                       pin_memory=self.device.type == "cuda")
+                                       pin_memory=self.device.type == "cuda", local_dir=self.cfg.cache_local_dir,
+                                       local_bytes=self.cfg.cache_local_bytes, decode_device=self.device)
         micro = next(self._data)
         data_time = timer.lap()
         self.optimizer.zero_grad(set_to_none=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -52,14 +53,33 @@ def _expected_boxes(coco: dict, image_id: int, h: int, w: int, label_of: dict) -
     return np.asarray(boxes, dtype=np.float64).reshape(-1, 4), labels
 
 
+@pytest.fixture(scope="module")
+def raw_cache(cached_workdir, tmp_path_factory) -> Path:
+    """The plain cache of `cached_workdir` with ``encoding: raw`` (the pipeline's default is jpeg)."""
+    cache = tmp_path_factory.mktemp("raw") / "cache"
+    build_cache(cached_workdir / "data/arrow", cache, params_mod.Augment(encoding="raw", workers=0))
+    return cache
+
+
+def _psnr(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Peak signal-to-noise ratio in dB of two uint8 images (peak 255)."""
+    mse = float(((a.double() - b.double()) ** 2).mean())
+    return float("inf") if mse == 0 else 10 * math.log10(255**2 / mse)
+
+
+@pytest.mark.parametrize("encoding", ["raw", "jpeg"])
 @pytest.mark.parametrize("split", ["train", "val"])
-def test_cache_equals_direct_decode_and_resize(cached_workdir, split):
+def test_cache_equals_direct_decode_and_resize(cached_workdir, raw_cache, split, encoding):
+    """raw: bit-identical pixels; jpeg (the pipeline's default cache): within JPEG quality-90 loss (PSNR); boxes,
+    labels, scales identical in both."""
     work = cached_workdir
     coco = _coco(work)
     images = {im["id"]: im for im in coco["images"]}
     label_of = json.loads((work / "data/arrow/meta.json").read_text())["category_id_to_label"]
-    cache_meta = json.loads((work / "data/cache/meta.json").read_text())
-    ds = CachedDetectionDataset(work / "data/cache", split)
+    cache = raw_cache if encoding == "raw" else work / "data/cache"
+    cache_meta = json.loads((cache / "meta.json").read_text())
+    assert cache_meta["encoding"] == encoding
+    ds = CachedDetectionDataset(cache, split)
     assert len(ds) == cache_meta["splits"][split]["images"] > 0
     crowd = 0
     for i in range(len(ds)):
@@ -67,8 +87,12 @@ def test_cache_equals_direct_decode_and_resize(cached_workdir, split):
         info = images[int(target["image_id"])]
         ref = _direct(work, info, (320, 320))
         assert image.shape == (3, 320, 320) and image.dtype == torch.float32 and image.is_contiguous()
-        assert torch.equal(ds.pixels(i), ref)  # bit-identical uint8 pixels
-        torch.testing.assert_close(image, ref.to(torch.float32) / 255, rtol=0, atol=1e-6)
+        if encoding == "raw":
+            assert torch.equal(ds.pixels(i), ref)  # bit-identical uint8 pixels
+            torch.testing.assert_close(image, ref.to(torch.float32) / 255, rtol=0, atol=1e-6)
+        else:
+            assert _psnr(ds.pixels(i), ref) >= 28.0, (i, _psnr(ds.pixels(i), ref))  # quality 90: ~29-40 dB
+            torch.testing.assert_close(image, ds.pixels(i).to(torch.float32) / 255, rtol=0, atol=1e-6)
         oh, ow = int(target["orig_size"][0]), int(target["orig_size"][1])
         assert (oh, ow) == (info["height"], info["width"])
         boxes, labels = _expected_boxes(coco, info["id"], oh, ow, label_of)
@@ -123,7 +147,7 @@ def test_fixed_cache_is_not_resized_by_ssdlite(cached_workdir):
 @pytest.mark.parametrize("min_size,max_size", [(320, 512), (800, 1333)])
 def test_keep_ratio_cache_is_not_resized_by_faster_rcnn(cached_workdir, tmp_path, min_size, max_size):
     work = cached_workdir
-    cfg = params_mod.Augment(resize="keep_ratio", min_size=min_size, max_size=max_size, workers=0)
+    cfg = params_mod.Augment(resize="keep_ratio", min_size=min_size, max_size=max_size, workers=0, encoding="raw")
     build_cache(work / "data/arrow", tmp_path / "cache", cfg)
     model = fasterrcnn_mobilenet_v3_large_fpn(weights=None, weights_backbone=None, num_classes=81,
                                               min_size=min_size, max_size=max_size)
@@ -145,8 +169,10 @@ def test_boxes_clamped_crowd_and_degenerate_counted():
     row = {"image_id": 9, "file_name": name, "image": data,
            "bbox": [[10, 20, 30, 40], [w - 10, 5, 50, 10], [15, 15, 0, 5], [w + 5, 0, 20, 20], [0, 0, 5, 5]],
            "label": [1, 2, 3, 4, 5], "iscrowd": [0, 0, 0, 0, 1]}
-    cfg = params_mod.Augment(resize="fixed", size=100)
+    cfg = params_mod.Augment(resize="fixed", size=100, encoding="raw")
     rows, counts = process_image(row, cfg, copies=0)
+    (jrow,), jcounts = process_image(row, cfg.model_copy(update={"encoding": "jpeg"}), copies=0)
+    assert jcounts == counts and jrow["boxes"] == rows[0]["boxes"] and jrow["pixels"][:2] == b"\xff\xd8"  # SOI
     assert counts == {"crowd_excluded": 1, "degenerate_dropped": 2, "crop_dropped": 0}
     (r,) = rows
     sx, sy = 100 / w, 100 / h
@@ -163,26 +189,26 @@ def _index(cache: Path, split: str) -> pa.Table:
 @pytest.fixture(scope="module")
 def copies_cache(cached_workdir, tmp_path_factory) -> Path:
     cache = tmp_path_factory.mktemp("copies") / "cache"
-    build_cache(cached_workdir / "data/arrow", cache, params_mod.Augment(copies=2, seed=5, workers=0))
+    build_cache(cached_workdir / "data/arrow", cache, params_mod.Augment(copies=2, seed=5, workers=0, encoding="raw"))
     return cache
 
 
-def test_copies_are_deterministic_and_independent_of_workers(cached_workdir, copies_cache, tmp_path):
+def test_copies_are_deterministic_and_independent_of_workers(cached_workdir, raw_cache, copies_cache, tmp_path):
     meta = json.loads((copies_cache / "meta.json").read_text())
     plain = json.loads((cached_workdir / "data/cache/meta.json").read_text())
     assert meta["splits"]["train"]["rows"] == 2 * meta["splits"]["train"]["images"] == 2 * plain["splits"]["train"]["images"]
     assert meta["splits"]["val"]["rows"] == meta["splits"]["val"]["images"]  # val is never augmented
     again = tmp_path / "cache"
-    build_cache(cached_workdir / "data/arrow", again, params_mod.Augment(copies=2, seed=5, workers=2))
+    build_cache(cached_workdir / "data/arrow", again, params_mod.Augment(copies=2, seed=5, workers=2, encoding="raw"))
     for f in sorted(p.relative_to(copies_cache) for p in copies_cache.rglob("*") if p.is_file()):
         assert (again / f).read_bytes() == (copies_cache / f).read_bytes(), f
     other = tmp_path / "other"
-    build_cache(cached_workdir / "data/arrow", other, params_mod.Augment(copies=2, seed=6, workers=0))
+    build_cache(cached_workdir / "data/arrow", other, params_mod.Augment(copies=2, seed=6, workers=0, encoding="raw"))
     assert (other / "train/part-00000.arrow").read_bytes() != (copies_cache / "train/part-00000.arrow").read_bytes()
     # val: exactly the plain cache
-    assert _index(copies_cache, "val").equals(_index(cached_workdir / "data/cache", "val"))
+    assert _index(copies_cache, "val").equals(_index(raw_cache, "val"))
     for shard in meta["splits"]["val"]["shards"]:
-        assert (copies_cache / "val" / shard).read_bytes() == (cached_workdir / "data/cache/val" / shard).read_bytes()
+        assert (copies_cache / "val" / shard).read_bytes() == (raw_cache / "val" / shard).read_bytes()
 
 
 def test_copies_geometry_matches_offset_and_scale(cached_workdir, copies_cache):

@@ -2,10 +2,12 @@
 rank partitioning, worker processes, pinned memory, and reading through filesystem URLs."""
 from __future__ import annotations
 
+import json
 import math
 import shutil
 
 import fsspec
+import numpy as np
 import pyarrow.fs as pafs
 import pytest
 import torch
@@ -13,8 +15,10 @@ from torch.utils.data import DataLoader
 from torchvision import tv_tensors
 from torchvision.transforms.v2 import functional as TF
 
+from detpipe import params as params_mod
 from detpipe.errors import StageError
-from detpipe.data import CachedDetectionDataset, ResumableDistributedSampler, collate
+from detpipe.data import CachedDetectionDataset, ResumableDistributedSampler, collate, micro_batches
+from stages.augment import build_cache
 
 
 @pytest.fixture(scope="module")
@@ -140,8 +144,8 @@ def test_mid_epoch_resume_continues_with_the_same_batches(cache, num_workers):
 
 def test_sampler_state_rejects_other_settings():
     state = ResumableDistributedSampler(10, world_size=2, seed=1).state_dict()
-    with pytest.raises(ValueError, match="world_size"):
-        ResumableDistributedSampler(10, world_size=1, seed=1).load_state_dict(state)
+    with pytest.raises(ValueError, match="sharded"):
+        ResumableDistributedSampler(10, world_size=2, seed=1, shards=[0] * 10).load_state_dict(state)
     with pytest.raises(ValueError, match="size"):
         ResumableDistributedSampler(12, world_size=2, seed=1).load_state_dict(state)
     with pytest.raises(ValueError, match="seed"):
@@ -234,3 +238,160 @@ def test_uint8_output_is_the_float_output_before_scaling(cache):
     ref = list(DataLoader(u, batch_size=4, collate_fn=collate))
     _same_batches(list(DataLoader(u, batch_size=4, collate_fn=collate, num_workers=2)), ref)
     assert ref[0][0][0].data_ptr() != u.pixels(0).data_ptr()  # a copy, never a view of the read-only map
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Shard-aware sampler, resume at another world size, the one-DataLoader training input, both encodings
+
+
+def _exactly_once(per_rank: list[list[int]], expected: set[int]) -> bool:
+    """Every index of ``expected`` appears exactly once over all ranks' lists, and nothing else does."""
+    flat = [i for r in per_rank for i in r]
+    return len(flat) == len(set(flat)) and set(flat) == expected
+
+
+def _shards(n_shards: int, per_shard: int) -> np.ndarray:
+    return np.repeat(np.arange(n_shards), per_shard)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_shard_aware_sampler_covers_every_index_once_per_epoch(world_size):
+    shards = _shards(23, 7)  # 161 samples
+    n = len(shards)
+    orders = set()
+    for epoch in range(3):
+        per_rank = []
+        for rank in range(world_size):
+            s = ResumableDistributedSampler(n, world_size, rank, seed=5, shards=shards, window=4)
+            s.set_epoch(epoch)
+            per_rank.append(list(s))
+            again = ResumableDistributedSampler(n, world_size, rank, seed=5, shards=shards, window=4)
+            again.set_epoch(epoch)
+            assert list(again) == per_rank[-1]  # a pure function of (seed, epoch, world size)
+        assert len({len(r) for r in per_rank}) == 1
+        kept = n - n % world_size
+        order = s.order(epoch)
+        assert sorted(order.tolist()) == list(range(n))
+        assert _exactly_once(per_rank, set(order[:kept].tolist()))
+        orders.add(tuple(order.tolist()))
+        # blocks of 4 shards: every 28 consecutive samples of the global order come from 4 shards
+        for b in range(0, n - n % 28, 28):
+            assert len(set(shards[order[b:b + 28]].tolist())) == 4
+        # ... and a broken partition (one rank's samples twice) is caught by the check
+        assert not _exactly_once(per_rank + [per_rank[0]], set(order[:kept].tolist()))
+    assert len(orders) == 3
+
+
+@pytest.mark.parametrize("w1,w2", [(2, 1), (1, 2), (3, 2), (2, 4)])
+def test_resume_at_another_world_size_sees_the_rest_of_the_epoch_once(w1, w2):
+    """Record sample ids: ranks of world size W1 consume part of epoch 1, the state goes to W2 ranks, which finish
+    the epoch; every sample of the epoch is then seen exactly once (up to the < W2 that drop_last leaves), and
+    epoch 2 is the normal W2 epoch."""
+    shards = _shards(12, 10)
+    n, step = len(shards), 3
+    seen = []
+    old = [ResumableDistributedSampler(n, w1, r, seed=1, shards=shards, window=2) for r in range(w1)]
+    for s in old:
+        s.set_epoch(1)
+        seen += s.indices()[:5 * step]  # 5 steps of 3 samples on every rank
+    state = old[0].state_dict(consumed=5 * step)
+    new = [ResumableDistributedSampler(n, w2, r, seed=1, shards=shards, window=2) for r in range(w2)]
+    for s in new:
+        s.load_state_dict(state)
+    remaining = [s.remaining_in_epoch() for s in new]
+    assert len(set(remaining)) == 1 and remaining[0] == (n - 5 * step * w1) // w2
+    rest = [list(s) for s in new]
+    assert [len(r) for r in rest] == remaining
+    assert not set(seen) & {i for r in rest for i in r}  # no repeats
+    assert _exactly_once([seen] + rest, set(new[0].order(1)[:n - (n - 5 * step * w1) % w2].tolist()))  # no skips
+    # mid-way through the resumed epoch, saved again at W2 and loaded at W2: the same continuation
+    half = new[0].state_dict(consumed=2)
+    again = ResumableDistributedSampler(n, w2, 0, seed=1, shards=shards, window=2)
+    again.load_state_dict(half)
+    assert list(again) == rest[0][2:]
+    # the next epoch is the normal one at W2
+    after = new[0].state_dict(consumed=remaining[0])
+    assert (after["epoch"], after["start"], after["offset"]) == (2, 0, 0)
+    fresh = ResumableDistributedSampler(n, w2, 0, seed=1, shards=shards, window=2)
+    fresh.set_epoch(2)
+    new[0].load_state_dict(after)
+    assert list(new[0]) == list(fresh)
+
+
+def _steps(gen, n: int) -> list:
+    out = [next(gen) for _ in range(n)]
+    gen.close()
+    return out
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_micro_batches_resume_across_epochs_with_one_loader(cache, num_workers):
+    """micro_batches (one DataLoader for all epochs, workers alive throughout) started at iteration k gives
+    exactly the steps k.. of a run started at 0, across epoch boundaries (variants, flips, order)."""
+    ds = CachedDetectionDataset(cache, "train", hflip=0.5, seed=3)
+    per_epoch = len(ds) // 2
+    sampler = ResumableDistributedSampler(len(ds), seed=3, shards=ds.sample_shards())
+    full = [m[0] for m in _steps(micro_batches(ds, sampler, 0, per_epoch, 2, 1), 3 * per_epoch)]
+    for k in (1, per_epoch, per_epoch + 2):
+        sampler = ResumableDistributedSampler(len(ds), seed=3, shards=ds.sample_shards())
+        tail = [m[0] for m in _steps(micro_batches(ds, sampler, k, per_epoch, 2, 1, num_workers=num_workers),
+                                     3 * per_epoch - k)]
+        _same_batches(tail, full[k:])
+    assert len({tuple(_ids([b])) for b in full}) > 1
+
+
+@pytest.fixture(scope="module")
+def raw_cache(cached_workdir, tmp_path_factory):
+    cfg = params_mod.load("augment", cached_workdir / "params.yaml").model_copy(
+        update={"encoding": "raw", "copies": 2})
+    out = tmp_path_factory.mktemp("raw") / "cache"
+    build_cache(cached_workdir / "data/arrow", out, cfg)
+    return out, cfg
+
+
+def test_both_encodings_same_boxes_labels_and_pixels_within_jpeg_tolerance(cached_workdir, raw_cache, tmp_path):
+    """Raw and JPEG caches of the same images with 2 SSD-style copies: identical targets (boxes, labels, scale,
+    offset, ids) for every variant and flip, pixels within JPEG quality-90 loss, batched decode = single decode."""
+    raw_dir, cfg = raw_cache
+    jpeg_dir = tmp_path / "jpeg"
+    build_cache(cached_workdir / "data/arrow", jpeg_dir, cfg.model_copy(update={"encoding": "jpeg"}))
+    assert json.loads((jpeg_dir / "meta.json").read_text())["encoding"] == "jpeg"
+    for split in ("train", "val"):
+        r = CachedDetectionDataset(raw_dir, split, hflip=0.5, seed=1)
+        j = CachedDetectionDataset(jpeg_dir, split, hflip=0.5, seed=1)
+        assert (r.encoding, j.encoding) == ("raw", "jpeg") and r.copies == j.copies == (2 if split == "train" else 1)
+        diffs = []
+        for epoch in range(2):  # both variants
+            r.set_epoch(epoch)
+            j.set_epoch(epoch)
+            for i in range(len(r)):
+                (ri, rt), (ji, jt) = r[i], j[i]
+                assert ri.shape == ji.shape and ji.dtype == torch.float32 and ji.is_contiguous()
+                assert rt.keys() == jt.keys() and all(torch.equal(rt[k], jt[k]) for k in rt)  # boxes, labels, ...
+                d = (ri - ji).abs() * 255
+                psnr = 10 * math.log10(255**2 / float((d**2).mean()))
+                diffs.append(float(d.mean()))
+                assert psnr >= 28.0, (split, epoch, i, psnr)  # JPEG quality 90: ~30-40 dB on photos
+        assert 0.3 < np.mean(diffs) < 4.0, np.mean(diffs)  # lossy (not raw), but close
+        # batched decode (worker path) equals one-by-one decode
+        got = list(DataLoader(j, batch_size=3, collate_fn=collate, num_workers=1))
+        _same_batches(got, list(DataLoader(j, batch_size=3, collate_fn=collate)))
+    raw_bytes = sum(f.stat().st_size for f in raw_dir.rglob("part-*.arrow"))
+    jpeg_bytes = sum(f.stat().st_size for f in jpeg_dir.rglob("part-*.arrow"))
+    assert jpeg_bytes * 5 < raw_bytes
+
+
+def test_corrupt_jpeg_in_cache_is_a_one_line_error_naming_the_shard(cached_workdir, tmp_path):
+    cache = tmp_path / "cache"
+    shutil.copytree(cached_workdir / "data/cache", cache)
+    ds = CachedDetectionDataset(cache, "val")
+    assert ds.encoding == "jpeg"
+    shard = cache / "val" / ds.shard_names()[0]
+    data = bytearray(shard.read_bytes())
+    stored = ds._stored(0, ds._record(0))
+    start = bytes(data).find(stored.numpy().tobytes()[:64])
+    data[start + 2:start + 400] = b"\x00" * 398  # clobber the JPEG header after SOI
+    shard.write_bytes(bytes(data))
+    with pytest.raises(StageError) as e:
+        CachedDetectionDataset(cache, "val")[0]
+    assert shard.name in str(e.value) and "\n" not in str(e.value)

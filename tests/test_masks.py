@@ -136,7 +136,7 @@ def _check_masks_against_raw(work: Path, cache: Path) -> list[float]:
 
 def test_cached_masks_equal_direct_rasterization(mask_workdir):
     meta = json.loads((mask_workdir / "data/cache/meta.json").read_text())
-    assert meta["masks"] is True and meta["format"] == 3
+    assert meta["masks"] is True and meta["format"] == 4
     for split in ("train", "val"):
         assert meta["splits"][split]["masks"] == meta["splits"][split]["boxes"] > 0
         assert meta["splits"][split]["rows_without_masks"] == 0
@@ -366,3 +366,21 @@ def test_export_mask_model_with_masks_output(mask_trained, tmp_path):
             np.testing.assert_allclose(masks[k], eager["masks"][k].numpy(), atol=2e-3)
             same += 1
     assert same >= 10
+
+
+def test_masks_are_the_same_in_both_encodings(mask_workdir, tmp_path):
+    """raw and jpeg caches (with an SSD-style copy) carry identical masks, boxes and labels, flipped alike."""
+    cfg = params_mod.load("augment", mask_workdir / "params.yaml").model_copy(update={"copies": 1, "workers": 0})
+    for encoding in ("raw", "jpeg"):
+        build_cache(mask_workdir / "data/arrow", tmp_path / encoding, cfg.model_copy(update={"encoding": encoding}))
+    n_masks = 0
+    for split in ("train", "val"):
+        raw = CachedDetectionDataset(tmp_path / "raw", split, hflip=0.5, with_masks=True)
+        jpeg = CachedDetectionDataset(tmp_path / "jpeg", split, hflip=0.5, with_masks=True)
+        assert (raw.encoding, jpeg.encoding) == ("raw", "jpeg")
+        for i in range(len(raw)):
+            (ri, rt), (ji, jt) = raw[i], jpeg[i]
+            assert ri.shape == ji.shape and rt.keys() == jt.keys() and "masks" in rt
+            assert all(torch.equal(rt[k], jt[k]) for k in rt)
+            n_masks += len(rt["masks"])
+    assert n_masks > 0
