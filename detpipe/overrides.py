@@ -1,0 +1,98 @@
+"""params.yaml overrides of a run: ``section.key=value`` items (OmegaConf's dotlist grammar), checked against
+the schema of `detpipe.params`, written into a params.yaml with its comments kept (ruamel.yaml round trip)."""
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from detpipe import params as params_mod
+from detpipe.errors import StageError
+from detpipe.io import atomic_write_bytes
+
+
+class OverrideError(StageError):
+    """An override that is malformed, names no params.yaml key, or breaks the schema; one line."""
+
+
+def parse(items: list[str]) -> dict[str, Any]:
+    """``["train.lr=0.01", "train.milestones=[0.5, 0.8]"]`` → ``{"train.lr": 0.01, "train.milestones": [0.5,
+    0.8]}``; values follow OmegaConf's dotlist grammar (numbers, booleans, null, lists; else strings).
+
+    Raises:
+        OverrideError: an item without ``=`` or with an unparsable value.
+    """
+    for item in items:
+        if "=" not in item or not item.partition("=")[0].strip():
+            raise OverrideError(f"override '{item}': expected section.key=value, e.g. train.lr=0.01")
+    try:
+        nested = OmegaConf.to_container(OmegaConf.from_dotlist(list(items)))
+    except OmegaConfBaseException as e:
+        raise OverrideError(f"overrides {items}: {str(e).splitlines()[0]}") from None
+    return normalize(nested)
+
+
+def normalize(overrides: dict[str, Any] | None) -> dict[str, Any]:
+    """Flatten ``{"train": {"lr": 0.01}}`` to ``{"train.lr": 0.01}``; dotted keys pass through.
+
+    Raises:
+        OverrideError: a key that is not ``section.key`` of `detpipe.params.Params`.
+    """
+    flat: dict[str, Any] = {}
+    for key, value in (overrides or {}).items():
+        if "." not in key and isinstance(value, dict):
+            flat.update({f"{key}.{k}": v for k, v in value.items()})
+        else:
+            flat[key] = value
+    sections = params_mod.Params.model_fields
+    for key in flat:
+        section, _, name = key.partition(".")
+        if section not in sections or name not in sections[section].annotation.model_fields:
+            raise OverrideError(f"override '{key}': not a params.yaml key (expected section.key, e.g. train.lr; "
+                                f"sections: {', '.join(sections)})")
+    return flat
+
+
+def _yaml_rt():
+    from ruamel.yaml import YAML
+
+    rt = YAML()  # round trip: comments and layout of untouched keys are kept
+    rt.preserve_quotes = True
+    rt.width = 4096
+    rt.representer.add_representer(
+        type(None), lambda r, _: r.represent_scalar("tag:yaml.org,2002:null", "null"))  # not an empty value
+    return rt
+
+
+def apply(params_file: Path, overrides: dict[str, Any]) -> bytes:
+    """Write ``overrides`` (``{"section.key": value}``) into ``params_file``, keeping its comments, after
+    checking that the result passes `detpipe.params.load`. Returns the file's previous bytes.
+
+    Raises:
+        OverrideError: the overridden params break the schema (the message names the key and value); the file
+            is then left unchanged.
+    """
+    from ruamel.yaml.comments import CommentedSeq
+
+    original = params_file.read_bytes()
+    rt = _yaml_rt()
+    data = rt.load(original.decode())
+    for key, value in overrides.items():
+        section, _, name = key.partition(".")
+        if isinstance(value, list):
+            value = CommentedSeq(value)
+            value.fa.set_flow_style()
+        data[section][name] = value
+    with tempfile.TemporaryDirectory() as tmp:
+        candidate = Path(tmp) / params_file.name
+        with open(candidate, "w") as f:
+            rt.dump(data, f)
+        try:
+            params_mod.load(path=candidate)
+        except StageError as e:
+            raise OverrideError(f"overrides {overrides}: {str(e).replace(str(candidate), params_file.name)}") from None
+        atomic_write_bytes(params_file, candidate.read_bytes())
+    return original
