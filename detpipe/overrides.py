@@ -2,6 +2,7 @@
 the schema of `detpipe.params`, written into a params.yaml with its comments kept (ruamel.yaml round trip)."""
 from __future__ import annotations
 
+import itertools
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,26 @@ def normalize(overrides: dict[str, Any] | None) -> dict[str, Any]:
             raise OverrideError(f"override '{key}': not a params.yaml key (expected section.key, e.g. train.lr; "
                                 f"sections: {', '.join(sections)})")
     return flat
+
+
+def expand(grid: dict[str, Any] | None, runs: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """A sweep's override sets: every combination of ``grid``'s list values (``{"train.lr": [0.01, 0.02]}``;
+    scalar values are fixed in every set), then each of ``runs`` merged over the grid's fixed values. Keys are
+    normalized (`normalize`); duplicate sets are dropped, order kept. A list-valued param (``train.milestones``)
+    is swept as an axis, so pass a fixed list inside ``runs``.
+
+    Raises:
+        OverrideError: a bad key, or no set at all.
+    """
+    grid = normalize(grid)
+    axes = {k: v for k, v in grid.items() if isinstance(v, list)}
+    fixed = {k: v for k, v in grid.items() if k not in axes}
+    sets = [fixed | dict(zip(axes, combo)) for combo in itertools.product(*axes.values())] if axes else []
+    sets += [fixed | normalize(r) for r in runs or []]
+    unique = [s for i, s in enumerate(sets) if s not in sets[:i]]
+    if not unique:
+        raise OverrideError("a sweep needs a grid with at least one list of values, or a list of runs")
+    return unique
 
 
 def _yaml_rt():

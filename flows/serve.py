@@ -30,6 +30,7 @@ from datetime import timedelta
 
 from detpipe import params as params_mod
 
+from flows.sweep import sweep
 from flows.train import DEFAULT_REPO, REPO_ENV, train
 
 ENTRYPOINT = "flows/train.py:train"
@@ -97,6 +98,10 @@ DESCRIPTION = ("DVC pipeline download → convert → augment → train → eval
                "DVC skips up-to-date stages; each run is a DVC experiment named after the flow run.")
 
 
+SWEEP_DESCRIPTION = ("Parallel experiments: grid {'train.lr': [0.01, 0.02]} and/or runs [{...}, ...] of overrides; "
+                     "shared stages run once, then at most flows.max_parallel train runs at once.")
+
+
 def max_parallel(limit: int | None) -> int:
     """``limit``, else ``flows.max_parallel`` of the served repository's params.yaml."""
     return limit or params_mod.load("flows", path=DEFAULT_REPO / "params.yaml").max_parallel
@@ -110,7 +115,8 @@ def serve(name: str = "main", limit: int | None = None) -> None:
     os.environ.setdefault("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", str(HEARTBEAT_S))  # inherited by the runs
     ensure_zombie_automation()
     deployment = train.to_deployment(name=name, description=DESCRIPTION, concurrency_limit=max_parallel(limit))
-    prefect_serve(with_schema(deployment))
+    sweeps = sweep.to_deployment(name="sweep", description=SWEEP_DESCRIPTION)
+    prefect_serve(with_schema(deployment), sweeps)
 
 
 def register_on_pool(pool: str, name: str = "main", source: str | None = None) -> None:

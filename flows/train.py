@@ -79,15 +79,17 @@ def _markdown(r: dict) -> str:
 
 
 @flow(name="train", persist_result=True)
-def train(overrides: dict[str, Any] | None = None, repo: str | None = None) -> dict:
+def train(overrides: dict[str, Any] | None = None, repo: str | None = None, upto: str = "export") -> dict | None:
     """Run download → convert → augment → train → evaluate → export through DVC in an isolated workspace and
     save it as DVC experiment named after the flow run.
 
     Args:
         overrides: params.yaml overrides, ``{"train.lr": 0.01}`` (or ``{"train": {"lr": 0.01}}``).
         repo: repository to run in (default ``$DETPIPE_REPO``, else the one holding this file).
+        upto: last stage to run; before ``export`` the run is no experiment (a sweep's shared stages).
     Returns:
-        `summarize`'s dict, also published as markdown artifact ``train-results``.
+        `summarize`'s dict, also published as markdown artifact ``train-results``; None when ``upto`` stops
+        early.
     Raises:
         StageError: bad overrides or repository, or a stage failing after its retries.
     """
@@ -102,7 +104,9 @@ def train(overrides: dict[str, Any] | None = None, repo: str | None = None) -> d
         logger.info("params.yaml overrides of this run: %s", overrides)
         cfg = params_mod.load("flows", path=ws / "params.yaml")
         stage = run_stage.with_options(retries=cfg.retries, retry_delay_seconds=cfg.retry_delay_s)
-        stages = {s: stage(s, str(ws)) for s in STAGES}
+        stages = {s: stage(s, str(ws)) for s in STAGES[:STAGES.index(upto) + 1]}
+        if upto != STAGES[-1]:
+            return None
         result = summarize(ws, stages, name, save_experiment(name, str(ws)), overrides)
     create_markdown_artifact(key="train-results", markdown=_markdown(result), description=f"experiment {name}")
     logger.info("result: %s", json.dumps(result))

@@ -518,26 +518,67 @@ def test_cancel_stops_training_and_leaves_workspace_as_it_was(prefect, killed_ru
     sh([sys.executable, "-m", "dvc", "status"], repo)  # DVC is usable in the user's workspace
 
 
+def readme_exp_show() -> list[str]:
+    """The README's command for comparing experiments (the ``dvc exp show`` line of section "Orchestration with
+    Prefect"), as argv."""
+    import shlex
+
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("## Orchestration with Prefect"):text.index("## Team setup")]
+    line = next(ln for ln in section.splitlines() if ln.startswith("dvc exp show "))
+    return [sys.executable, "-m", *shlex.split(line)]
+
+
+def _columns80(cmd: list[str], cwd: Path) -> str:
+    """Output of ``cmd`` run as in an 80-column terminal (``COLUMNS=80``)."""
+    proc = subprocess.run(cmd, cwd=cwd, env={**stage_env(), "COLUMNS": "80", "DVC_NO_ANALYTICS": "1"},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
 @pytest.mark.slow
-def test_parallel_runs_in_isolated_workspaces(prefect, killed_run, tmp_path):
-    """Two runs with different overrides started together on one repository run at once (deployment limit 2):
-    their train stages overlap in time (log timestamps), both complete as experiments with their own params,
-    and the user's workspace is unchanged."""
+def test_sweep_runs_in_parallel_and_compares_in_80_columns(prefect, killed_run, tmp_path):
+    """``train/sweep`` with a grid of 2 learning rates (``flows.max_parallel: 2``): the shared stages run once
+    before, both experiments' train stages overlap in time (log timestamps), both are DVC experiments with their
+    params, the README's ``dvc exp show`` command shows their AP, AP50 and train.lr in 80 columns without an
+    ellipsis, and the user's workspace is unchanged."""
     repo = tmp_path / "repo"
     shutil.copytree(killed_run["repo"], repo, symlinks=True)
+    apply_overrides(repo / "params.yaml", {"flows.max_parallel": 2})
+    sh(["git", "commit", "-qam", "two experiments at once"], repo)
     before = snapshot(repo)
-    runs = {name: prefect.start_run(repo, {"train.lr": lr}, name) for name, lr in (("run-a", 0.03), ("run-b", 0.04))}
-    outs = {name: p.communicate(timeout=900)[0] for name, p in runs.items()}
-    assert [p.returncode for p in runs.values()] == [0, 0], "\n".join(o[-3000:] for o in outs.values())
+    params = {"grid": {"train.lr": [0.03, 0.04]}, "repo": str(repo)}
+    proc = subprocess.run([sys.executable, "-m", "prefect", "deployment", "run", "train/sweep", "--params",
+                           json.dumps(params), "--flow-run-name", "sweep1", "--watch", "--watch-interval", "2"],
+                          env=prefect.env, capture_output=True, text=True, timeout=1200, cwd=prefect.logs)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    shared = prefect.logs_of(prefect.id_of("sweep1-shared"))
+    assert "train" not in re.findall(r"repro --single-item (\w+)", shared), shared[-3000:]
     spans = {}
-    for name, out in outs.items():
-        train_log = _stage_segment(prefect.logs_of(run_id(out)), "train")
+    for name in ("sweep1-0", "sweep1-1"):
+        logs = prefect.logs_of(prefect.id_of(name))
+        for stage in ("download", "convert", "augment"):
+            assert f"Running stage '{stage}'" not in _stage_segment(logs, stage), (name, stage)
+        train_log = _stage_segment(logs, "train")
         assert "Running stage 'train'" in train_log, train_log[-3000:]
-        stamps = [m.group(0) for m in re.finditer(r"\d{2}:\d{2}:\d{2}(\.\d+)?", train_log)]
+        stamps = [m.group(0) for m in re.finditer(r"\b\d{2}:\d{2}:\d{2}\.\d+", train_log)]
         spans[name] = (stamps[0], stamps[-1])
     (a0, a1), (b0, b1) = spans.values()
     assert a0 < b1 and b0 < a1, spans  # the two train stages overlap
     exps = experiments(repo)
-    for name, lr in (("run-a", 0.03), ("run-b", 0.04)):
+    for name, lr in (("sweep1-0", 0.03), ("sweep1-1", 0.04)):
         assert exps[name]["params"]["train"]["lr"] == lr and exps[name]["metrics"]["metrics/eval.json"]["bbox"]
     assert snapshot(repo) == before
+
+    table = _columns80(readme_exp_show(), repo)
+    lines = table.splitlines()
+    assert lines and max(len(ln) for ln in lines) <= 80 and "…" not in table, table
+    header = next(ln for ln in lines if "Experiment" in ln)
+    assert re.search(r"\bAP\b", header) and "AP50" in header and "train.lr" in header, table
+    for name, lr in (("sweep1-0", "0.03"), ("sweep1-1", "0.04")):
+        row = next(ln for ln in lines if f"[{name}]" in ln)
+        assert lr in row, table
+    # the check sees an ellipsis when the table does not fit: the same command without its --drop does not
+    wide = _columns80(readme_exp_show()[:readme_exp_show().index("--drop")], repo)
+    assert "…" in wide, wide
