@@ -2,6 +2,7 @@
 the schema of `detpipe.params`, written into a params.yaml with its comments kept (ruamel.yaml round trip)."""
 from __future__ import annotations
 
+import copy
 import itertools
 import tempfile
 from pathlib import Path
@@ -75,6 +76,24 @@ def expand(grid: dict[str, Any] | None, runs: list[dict[str, Any]] | None = None
     if not unique:
         raise OverrideError("a sweep needs a grid with at least one list of values, or a list of runs")
     return unique
+
+
+def json_schema() -> dict:
+    """JSON schema of the ``overrides`` parameter: an object whose optional properties are the dotted
+    params.yaml keys (``"train.lr"``) with `detpipe.params.Params`' per-key schema (type, bounds, enums; no
+    defaults), and no other keys."""
+    full = params_mod.Params.model_json_schema()
+    defs = full.get("$defs", {})
+    props: dict[str, dict] = {}
+    for section, ref in full["properties"].items():
+        sec = defs[ref["$ref"].rsplit("/", 1)[-1]]
+        for key, schema in sec["properties"].items():
+            schema = {k: v for k, v in copy.deepcopy(schema).items() if k not in ("default", "title")}
+            props[f"{section}.{key}"] = {"title": f"{section}.{key}", **schema}
+    return {"anyOf": [{"type": "object", "properties": props, "additionalProperties": False}, {"type": "null"}],
+            "default": None, "title": "overrides",
+            "description": 'params.yaml overrides for this run, e.g. {"train.lr": 0.01}; the run is saved as a '
+                           "DVC experiment named after the flow run"}
 
 
 def _yaml_rt():

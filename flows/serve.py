@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import copy
 import os
 import sys
 from datetime import timedelta
 
 from detpipe import params as params_mod
+from detpipe.overrides import json_schema
 
 from flows.sweep import sweep
 from flows.train import DEFAULT_REPO, REPO_ENV, train
@@ -64,30 +64,12 @@ def ensure_zombie_automation() -> None:
                                     message=f"no heartbeat for {ZOMBIE_AFTER_S} s: its process died")]).create()
 
 
-def overrides_schema() -> dict:
-    """JSON schema of the ``overrides`` parameter: an object whose optional properties are the dotted
-    params.yaml keys (``"train.lr"``) with `detpipe.params.Params`' per-key schema (type, bounds, enums; no
-    defaults), and no other keys."""
-    full = params_mod.Params.model_json_schema()
-    defs = full.get("$defs", {})
-    props: dict[str, dict] = {}
-    for section, ref in full["properties"].items():
-        sec = defs[ref["$ref"].rsplit("/", 1)[-1]]
-        for key, schema in sec["properties"].items():
-            schema = {k: v for k, v in copy.deepcopy(schema).items() if k not in ("default", "title")}
-            props[f"{section}.{key}"] = {"title": f"{section}.{key}", **schema}
-    return {"anyOf": [{"type": "object", "properties": props, "additionalProperties": False}, {"type": "null"}],
-            "default": None, "title": "overrides",
-            "description": 'params.yaml overrides for this run, e.g. {"train.lr": 0.01}; the run is saved as a '
-                           "DVC experiment named after the flow run"}
-
-
 def with_schema(deployment):
-    """``deployment`` (a `RunnerDeployment` of `train`) with `overrides_schema` as its ``overrides``
-    parameter schema."""
+    """``deployment`` (a `RunnerDeployment` of `train`) with `detpipe.overrides.json_schema` as its
+    ``overrides`` parameter schema."""
     schema = deployment._parameter_openapi_schema  # Prefect's ParameterSchema built from the signature
     position = schema.properties.get("overrides", {}).get("position", 0)
-    schema.properties["overrides"] = {**overrides_schema(), "position": position}
+    schema.properties["overrides"] = {**json_schema(), "position": position}
     if "repo" in schema.properties:
         schema.properties["repo"]["description"] = (f"repository to run in (default ${REPO_ENV} of the "
                                                     f"serving process, else {DEFAULT_REPO})")

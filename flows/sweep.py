@@ -3,7 +3,7 @@ experiments, e.g. ``python -m flows.sweep -p 'train.lr=[0.01,0.02]' -p train.epo
 
 Stages whose params all runs share (download, convert, augment) run once first; DVC's run cache in the shared
 cache then gives every experiment their outputs. Then one `train` flow run per override set, at most
-``flows.max_parallel`` at once (a Prefect tag concurrency limit on the ``experiment`` tasks).
+``flows.max_parallel`` at once (a Prefect tag concurrency limit on the ``sweep-run`` tasks).
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ LIMIT_TAG = "detpipe-experiment"
 SHARED = ("download", "convert", "augment")  # stages before training
 
 
-@task(name="experiment", task_run_name="{name}", tags=[LIMIT_TAG], cache_policy=NO_CACHE, persist_result=False)
+@task(name="sweep-run", task_run_name="{name}", tags=[LIMIT_TAG], cache_policy=NO_CACHE, persist_result=False)
 def experiment(overrides: dict[str, Any], repo: str, name: str) -> dict:
     """One `train` flow run (a DVC experiment named ``name``) with ``overrides``."""
     return train.with_options(flow_run_name=name)(overrides=overrides, repo=repo)

@@ -32,10 +32,11 @@ from test_pipeline import copy_repo, sh
 
 import yaml
 
-from flows.serve import ZOMBIE_AFTER_S, overrides_schema
+from flows.serve import ZOMBIE_AFTER_S
 from detpipe import params as params_mod
 from detpipe.overrides import OverrideError
 from detpipe.overrides import apply as apply_overrides
+from detpipe.overrides import json_schema as overrides_schema
 from detpipe.overrides import normalize as normalize_overrides
 from detpipe.overrides import parse as parse_overrides
 from detpipe.io import folder_sha256
@@ -430,6 +431,7 @@ def test_killed_serve_crashes_run_and_retry_resumes(killed_run):
     assert f"resuming from checkpoints/ckpt-{killed_run['first']:07d}.pt" in crashed["logs"], crashed["logs"][-6000:]
     assert crashed["tree"] >= 4 and crashed["left"] == [] and crashed["left_in_ws"] == [], crashed
     assert crashed["state"] == "CRASHED" and crashed["rc"] != 0 and "Crashed" in crashed["out"], crashed["out"][-3000:]
+    print(f"run Crashed {crashed['after_s']:.0f} s after its serve process was killed")
     assert crashed["after_s"] < ZOMBIE_AFTER_S + 5 + 25, crashed["after_s"]  # documented bound + a loaded machine
     assert crashed["workspace_kept"]
 
