@@ -22,7 +22,7 @@ from prefect.runtime import flow_run
 from detpipe import overrides as ov
 from detpipe import params as params_mod
 from detpipe import workspace
-from flows.train import DEFAULT_REPO, REPO_ENV, STAGES, experiment_name, train
+from flows.train import DEFAULT_REPO, REPO_ENV, STAGES, experiment_name, report, train
 
 LIMIT_TAG = "detpipe-experiment"
 SHARED = ("download", "convert", "augment")  # stages before training
@@ -69,12 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     except ov.OverrideError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    state = sweep(grid=grid, repo=args.repo, return_state=True)
-    if not state.is_completed():
-        print(f"error: flow run {state.name}: {state.message}", file=sys.stderr)
-        return 1
-    print(json.dumps(state.result(), indent=2))
-    return 0
+    return report(sweep(grid=grid, repo=args.repo, return_state=True))
 
 
 if __name__ == "__main__":

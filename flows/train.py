@@ -126,7 +126,11 @@ def main(argv: list[str] | None = None) -> int:
     except ov.OverrideError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    state = train(overrides=overrides or None, repo=args.repo, return_state=True)
+    return report(train(overrides=overrides or None, repo=args.repo, return_state=True))
+
+
+def report(state) -> int:
+    """Print a finished flow run's result as JSON (exit status 0), or a one-line ``error: ...`` (1)."""
     if not state.is_completed():
         print(f"error: flow run {state.name}: {state.message}", file=sys.stderr)
         return 1
