@@ -130,6 +130,7 @@ class Export(_Section):
 class Flows(_Section):
     retries: int = Field(default=1, ge=0, description='Retries of each stage task in the Prefect flow.')
     retry_delay_s: float = Field(default=10, ge=0, description="Seconds between a stage task's retries.")
+    max_parallel: int = Field(default=1, ge=1, description="Flow runs (experiments) executed at once: the Prefect deployment's concurrency limit and a sweep's parallel runs.")
 
 
 class Params(_Section):

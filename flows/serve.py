@@ -1,5 +1,13 @@
 """Serve the ``train`` flow as deployment ``train/main``: ``python -m flows.serve``.
 
+Crashes are told by Prefect's own mechanism: every flow run sends a heartbeat every `HEARTBEAT_S` seconds
+(``PREFECT_FLOWS_HEARTBEAT_FREQUENCY``), and the automation `ZOMBIE_AUTOMATION` (created here if missing, the
+recipe of https://docs.prefect.io/v3/advanced/detect-zombie-flows) marks a Running flow run Crashed when no
+heartbeat came for `ZOMBIE_AFTER_S` seconds. A run whose serve/worker process is killed dies with it
+(`detpipe.runs`), so it is Crashed at most ``ZOMBIE_AFTER_S`` + the server's trigger evaluation period (5 s)
+after the kill; ``prefect flow-run retry <id>`` then resumes it. Runs at once: the deployment's
+``concurrency_limit`` (``flows.max_parallel``); more wait in Prefect's AwaitingConcurrencySlot state.
+
 It talks to the Prefect API at ``PREFECT_API_URL`` (e.g. a local ``prefect server start --host 127.0.0.1``),
 registers the deployment and runs its flow runs in subprocesses of this process until stopped (Ctrl-C).
 Trigger a run with ``prefect deployment run train/main --params '{"overrides": {"train.lr": 0.01}}' --watch``.
@@ -15,40 +23,53 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import copy
+import os
 import sys
+from datetime import timedelta
 
 from detpipe import params as params_mod
+from detpipe.overrides import json_schema
 
+from flows.sweep import sweep
 from flows.train import DEFAULT_REPO, REPO_ENV, train
 
 ENTRYPOINT = "flows/train.py:train"
+HEARTBEAT_S = 30           # Prefect's minimum
+ZOMBIE_AFTER_S = 90        # three missed heartbeats
+ZOMBIE_AUTOMATION = "detpipe: crash flow runs without heartbeat"
 
 
-def overrides_schema() -> dict:
-    """JSON schema of the ``overrides`` parameter: an object whose optional properties are the dotted
-    params.yaml keys (``"train.lr"``) with `detpipe.params.Params`' per-key schema (type, bounds, enums; no
-    defaults), and no other keys."""
-    full = params_mod.Params.model_json_schema()
-    defs = full.get("$defs", {})
-    props: dict[str, dict] = {}
-    for section, ref in full["properties"].items():
-        sec = defs[ref["$ref"].rsplit("/", 1)[-1]]
-        for key, schema in sec["properties"].items():
-            schema = {k: v for k, v in copy.deepcopy(schema).items() if k not in ("default", "title")}
-            props[f"{section}.{key}"] = {"title": f"{section}.{key}", **schema}
-    return {"anyOf": [{"type": "object", "properties": props, "additionalProperties": False}, {"type": "null"}],
-            "default": None, "title": "overrides",
-            "description": 'params.yaml overrides for this run, e.g. {"train.lr": 0.01}; the run is saved as a '
-                           "DVC experiment named after the flow run"}
+def ensure_zombie_automation() -> None:
+    """Create `ZOMBIE_AUTOMATION` on the Prefect server unless one of that name exists: a proactive event
+    trigger per flow run expecting another heartbeat or a final state within `ZOMBIE_AFTER_S` seconds of
+    each heartbeat, whose action sets the run Crashed."""
+    from prefect.automations import Automation
+    from prefect.client.schemas.objects import StateType
+    from prefect.events.actions import ChangeFlowRunState
+    from prefect.events.schemas.automations import EventTrigger, Posture
+    from prefect.events.schemas.events import ResourceSpecification
+
+    try:
+        Automation.read(name=ZOMBIE_AUTOMATION)
+        return
+    except ValueError:
+        pass
+    final = {f"prefect.flow-run.{s}" for s in ("Completed", "Failed", "Cancelled", "Crashed")}
+    Automation(name=ZOMBIE_AUTOMATION, trigger=EventTrigger(
+        after={"prefect.flow-run.heartbeat"}, expect={"prefect.flow-run.heartbeat", *final},
+        match=ResourceSpecification({"prefect.resource.id": ["prefect.flow-run.*"]}),
+        for_each={"prefect.resource.id"}, posture=Posture.Proactive, threshold=1,
+        within=timedelta(seconds=ZOMBIE_AFTER_S)),
+        actions=[ChangeFlowRunState(state=StateType.CRASHED,
+                                    message=f"no heartbeat for {ZOMBIE_AFTER_S} s: its process died")]).create()
 
 
 def with_schema(deployment):
-    """``deployment`` (a `RunnerDeployment` of `train`) with `overrides_schema` as its ``overrides``
-    parameter schema."""
+    """``deployment`` (a `RunnerDeployment` of `train`) with `detpipe.overrides.json_schema` as its
+    ``overrides`` parameter schema."""
     schema = deployment._parameter_openapi_schema  # Prefect's ParameterSchema built from the signature
     position = schema.properties.get("overrides", {}).get("position", 0)
-    schema.properties["overrides"] = {**overrides_schema(), "position": position}
+    schema.properties["overrides"] = {**json_schema(), "position": position}
     if "repo" in schema.properties:
         schema.properties["repo"]["description"] = (f"repository to run in (default ${REPO_ENV} of the "
                                                     f"serving process, else {DEFAULT_REPO})")
@@ -59,12 +80,25 @@ DESCRIPTION = ("DVC pipeline download → convert → augment → train → eval
                "DVC skips up-to-date stages; each run is a DVC experiment named after the flow run.")
 
 
+SWEEP_DESCRIPTION = ("Parallel experiments: grid {'train.lr': [0.01, 0.02]} and/or runs [{...}, ...] of overrides; "
+                     "shared stages run once, then at most flows.max_parallel train runs at once.")
+
+
+def max_parallel(limit: int | None) -> int:
+    """``limit``, else ``flows.max_parallel`` of the served repository's params.yaml."""
+    return limit or params_mod.load("flows", path=DEFAULT_REPO / "params.yaml").max_parallel
+
+
 def serve(name: str = "main", limit: int | None = None) -> None:
-    """Register deployment ``train/<name>`` and execute its runs here until interrupted (Prefect's
-    ``serve``). ``limit``: most flow runs at once (runs on the same repository queue on its lock anyway)."""
+    """Register deployment ``train/<name>`` (at most `max_parallel` runs at once) and execute its runs here
+    until interrupted (Prefect's ``serve``), with heartbeats and `ensure_zombie_automation`."""
     from prefect import serve as prefect_serve
 
-    prefect_serve(with_schema(train.to_deployment(name=name, description=DESCRIPTION)), limit=limit)
+    os.environ.setdefault("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", str(HEARTBEAT_S))  # inherited by the runs
+    ensure_zombie_automation()
+    deployment = train.to_deployment(name=name, description=DESCRIPTION, concurrency_limit=max_parallel(limit))
+    sweeps = sweep.to_deployment(name="sweep", description=SWEEP_DESCRIPTION)
+    prefect_serve(with_schema(deployment), sweeps)
 
 
 def register_on_pool(pool: str, name: str = "main", source: str | None = None) -> None:
@@ -85,16 +119,19 @@ def register_on_pool(pool: str, name: str = "main", source: str | None = None) -
                 pass
 
     asyncio.run(ensure_pool())
+    ensure_zombie_automation()
     flow = train.from_source(source=source or str(DEFAULT_REPO), entrypoint=ENTRYPOINT)
-    deploy(with_schema(flow.to_deployment(name=name, description=DESCRIPTION)), work_pool_name=pool,
-           build=False, push=False, print_next_steps_message=False)
+    deployment = flow.to_deployment(name=name, description=DESCRIPTION, concurrency_limit=max_parallel(None),
+                                    job_variables={"env": {"PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(HEARTBEAT_S)}})
+    deploy(with_schema(deployment), work_pool_name=pool, build=False, push=False, print_next_steps_message=False)
     print(f"deployment train/{name} is on work pool '{pool}'; start a worker with: prefect worker start --pool {pool}")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--name", default="main", help="deployment name (default main: train/main)")
-    parser.add_argument("--limit", type=int, default=None, help="most flow runs executed at once")
+    parser.add_argument("--limit", type=int, default=None,
+                        help="most flow runs at once (default flows.max_parallel of params.yaml)")
     parser.add_argument("--work-pool", default=None, help="register on this work pool instead of serving")
     parser.add_argument("--source", default=None,
                         help="with --work-pool: where workers get the code (default this checkout; a git URL "

@@ -1,0 +1,121 @@
+"""Isolated experiment workspaces: each flow run works in a git worktree of the repository's current commit,
+sharing the repository's DVC cache, so the user's workspace is never changed by a run.
+
+A run's workspace is ``<repo>/.dvc/tmp/runs/<flow run id>`` (inside ``.dvc/tmp``: ignored by git and DVC). It
+starts from ``HEAD`` plus the user's current ``dvc.lock`` and ``cache: false`` outputs (metrics, plots), and
+``dvc checkout`` links the cached outputs in, so DVC skips every stage already computed with the same params.
+It is removed when the run ends successfully or is cancelled; a failed or crashed run's workspace (with its
+checkpoints) is kept, and a retry of the same flow run (same id) continues in it and removes it when it
+succeeds. ``git worktree list`` shows kept ones; ``git worktree remove --force <path>`` deletes one.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Iterator
+
+import yaml
+
+from detpipe.errors import StageError
+from detpipe.runs import dvc, run_logged
+
+RUNS_DIR = ".dvc/tmp/runs"
+
+
+class WorkspaceError(StageError):
+    """The repository cannot host a run (no DVC repository, stages differ, no git commit); one line."""
+
+
+def resolve_repo(repo: str | os.PathLike, stages: tuple[str, ...]) -> Path:
+    """``repo`` as an absolute path, checked to be a git+DVC repository whose ``dvc.yaml`` defines ``stages``.
+
+    Raises:
+        WorkspaceError: not a DVC repository, other stages, or no git commit to start a run from.
+    """
+    root = Path(repo).expanduser().resolve()
+    dvc_yaml = root / "dvc.yaml"
+    if not dvc_yaml.is_file() or not (root / ".dvc").is_dir():
+        raise WorkspaceError(f"{root}: not a DVC repository with a dvc.yaml")
+    found = list((yaml.safe_load(dvc_yaml.read_text()) or {}).get("stages") or {})
+    if sorted(found) != sorted(stages):
+        raise WorkspaceError(f"{dvc_yaml}: stages {found} differ from the flow's {list(stages)}")
+    if _git(root, "rev-parse", "--verify", "-q", "HEAD", check=False).returncode:
+        raise WorkspaceError(f"{root}: a run is a DVC experiment, which needs a git commit to start from "
+                             "(git init && git add -A && git commit)")
+    return root
+
+
+def _git(cwd: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=check)
+
+
+def pipeline_outs(root: Path, cached: bool) -> list[str]:
+    """Paths (relative to ``root``) of the pipeline's outputs stored in DVC's cache (``cached``) or in git
+    (``cache: false`` metrics and plots)."""
+    from dvc.repo import Repo
+
+    with Repo(str(root)) as repo:
+        return sorted({os.path.relpath(o.fs_path, root) for o in repo.index.outs if o.use_cache == cached})
+
+
+def untracked_pipeline_files(root: Path) -> list[str]:
+    """Untracked files that ``dvc exp run`` would commit with an experiment but ``dvc exp save`` needs
+    ``--include-untracked`` for: ``cache: false`` outputs and the ``.gitignore`` files DVC writes beside
+    cached outputs."""
+    paths = set(pipeline_outs(root, cached=False))
+    paths |= {os.path.join(os.path.dirname(p), ".gitignore") for p in pipeline_outs(root, cached=True)}
+    out = _git(root, "ls-files", "-z", "--others", "--exclude-standard", "--", *sorted(paths)).stdout
+    return sorted(filter(None, out.split("\0")))
+
+
+def _create(root: Path, ws: Path, logger) -> None:
+    ws.parent.mkdir(parents=True, exist_ok=True)
+    _git(root, "worktree", "add", "--detach", str(ws), "HEAD")
+    cache = subprocess.run(dvc("cache", "dir"), cwd=root, capture_output=True, text=True, check=True).stdout
+    subprocess.run(dvc("config", "--local", "cache.dir", str((root / cache.strip()).resolve())), cwd=ws,
+                   check=True, capture_output=True)
+    for rel in ["dvc.lock", *pipeline_outs(root, cached=False)]:
+        src = root / rel
+        if src.is_dir():
+            shutil.copytree(src, ws / rel, dirs_exist_ok=True)
+        elif src.is_file():
+            (ws / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, ws / rel)
+    if (ws / "dvc.lock").is_file():
+        run_logged(dvc("checkout", "--allow-missing"), ws, logger)
+
+
+def remove(root: Path, ws: Path) -> None:
+    """Delete workspace ``ws`` of repository ``root`` (worktree and its files)."""
+    _git(root, "worktree", "remove", "--force", str(ws), check=False)
+    shutil.rmtree(ws, ignore_errors=True)
+    _git(root, "worktree", "prune", check=False)
+
+
+@contextlib.contextmanager
+def isolated(root: Path, run_id: str, logger) -> Iterator[Path]:
+    """The workspace of flow run ``run_id`` for the block (created, or the one its failed attempt kept);
+    removed afterwards unless the block raised an `Exception` (see the module docstring).
+
+    Raises:
+        subprocess.CalledProcessError: git or DVC could not create it.
+    """
+    ws = root / RUNS_DIR / run_id
+    if (ws / ".git").exists():
+        logger.info("continuing in the workspace an earlier attempt of this run kept: %s", ws)
+    else:
+        remove(root, ws)
+        _create(root, ws, logger)
+        logger.info("isolated workspace for this run: %s (git worktree of %s, DVC cache shared)", ws, root)
+    try:
+        yield ws
+    except Exception:
+        logger.warning("workspace %s is kept for a retry of this run (prefect flow-run retry <id>)", ws)
+        raise
+    except BaseException:
+        remove(root, ws)
+        raise
+    remove(root, ws)
