@@ -26,6 +26,7 @@ from prefect.runtime import flow_run
 from detpipe import overrides as ov
 from detpipe import params as params_mod
 from detpipe import runs, workspace
+from detpipe.repo import repair
 
 STAGES = ("download", "convert", "augment", "train", "evaluate", "export")
 DEFAULT_REPO = Path(__file__).resolve().parent.parent
@@ -36,7 +37,10 @@ REPO_ENV = "DETPIPE_REPO"  # the repository the flow works on, when the ``repo``
       persist_result=False)
 def run_stage(stage: str, ws: str) -> str:
     """``dvc repro --single-item <stage>`` in workspace ``ws`` (its upstream stages are the earlier tasks).
-    Returns ``"ran"``, or ``"skipped"`` when DVC found it up to date. Raises `runs.CommandError`."""
+    Returns ``"ran"``, or ``"skipped"`` when DVC found it up to date. Raises `runs.CommandError`.
+    First `detpipe.repo.repair` undoes what a killed DVC left (cut lock files, temporary folders)."""
+    for note in repair(Path(ws)):
+        get_run_logger().warning("repair: %s", note)
     lines = runs.run_logged(runs.dvc("repro", "--single-item", stage), Path(ws), get_run_logger())
     return "ran" if any(ln.startswith(f"Running stage '{stage}'") for ln in lines) else "skipped"
 
