@@ -40,6 +40,17 @@ def raw_taps(model: torch.nn.Module) -> list[str]:
     return ["head"] if isinstance(getattr(model, "head", None), torch.nn.Module) else []
 
 
+TORCH_EXPORT_UNSUPPORTED = ("torch.export cannot trace torchvision's R-CNN models (their RPN and ROI heads size "
+                            "tensors from data-dependent counts); use the ONNX file")
+
+
+def torch_export_supported(model: torch.nn.Module) -> bool:
+    """Whether `export_program` can trace ``model``: SSD/SSDlite, RetinaNet, FCOS yes; torchvision's R-CNN models
+    (Faster/Mask/Keypoint R-CNN) no (torch 2.14 / torchvision 0.29: ``GuardOnDataDependentSymNode`` in their
+    proposal filtering, `TORCH_EXPORT_UNSUPPORTED`)."""
+    return raw_taps(model) != ["rpn.head"]
+
+
 def _flatten(prefix: str, value) -> list[tuple[str, torch.Tensor]]:
     if isinstance(value, torch.Tensor):
         return [(prefix, value)]
@@ -304,9 +315,11 @@ def model_card(ckpt: dict, report: dict, arrow_dir: Path, metrics_path: Path) ->
         lines += [f"(no {metrics_path} yet: run the evaluate stage)"]
     lines += ["", "## Training params", "", "```yaml"] + [f"{k}: {json.dumps(v)}"
                                                           for k, v in ckpt.get("params", {}).items()]
+    image_spec = "`image`: `float32 (3, H, W)` RGB in [0, 1], H and W dynamic"
     lines += ["```", "", "## Files", "", "| file | input | output |", "|---|---|---|",
-              f"| `model.pt2` (torch.export) | `image`: `float32 (3, H, W)` RGB in [0, 1], H and W dynamic | {flat} |",
-              f"| `model.onnx` (opset {report['opset']}) | `image`: same | {flat} |"]
+              f"| `model.onnx` (opset {report['opset']}) | {image_spec} | {flat} |"]
+    if "torch_export" in report["formats"]:
+        lines += [f"| `torch_export/model.pt2` (torch.export) | {image_spec} | {flat} |"]
     if "torchscript" in report["formats"]:
         lines += ["| `torchscript/model.ts` (TorchScript) | `list[Tensor]`, each `float32 (3, H, W)` RGB in "
                   "[0, 1] | `(losses, detections)`; `detections[i]`: `boxes`, `scores`, `labels`"
@@ -318,12 +331,14 @@ def model_card(ckpt: dict, report: dict, arrow_dir: Path, metrics_path: Path) ->
                   for fmt, r in report["formats"].items()) + ".",
               "Labels map to COCO category ids via `category_id_to_label` in `data/arrow/meta.json`:",
               "", "```json", json.dumps(meta["label_names"]), "```", "",
-              "## Run", "", "```python", "import torch", "from PIL import Image",
-              "from torchvision.transforms.functional import to_tensor",
-              "image = to_tensor(Image.open('image.jpg').convert('RGB'))  # float32 (3, H, W) in [0, 1]",
-              "model = torch.export.load('models/model.pt2').module()",
-              "boxes, scores, labels = model(image)[:3]", "```", "",
-              "```python", "import numpy as np, onnxruntime as ort", "from PIL import Image",
+              "## Run", ""]
+    if "torch_export" in report["formats"]:
+        lines += ["```python", "import torch", "from PIL import Image",
+                  "from torchvision.transforms.functional import to_tensor",
+                  "image = to_tensor(Image.open('image.jpg').convert('RGB'))  # float32 (3, H, W) in [0, 1]",
+                  "model = torch.export.load('models/torch_export/model.pt2').module()",
+                  "boxes, scores, labels = model(image)[:3]", "```", ""]
+    lines += ["```python", "import numpy as np, onnxruntime as ort", "from PIL import Image",
               "image = np.asarray(Image.open('image.jpg').convert('RGB'), np.float32).transpose(2, 0, 1) / 255",
               "session = ort.InferenceSession('models/model.onnx', providers=['CPUExecutionProvider'])",
               "boxes, scores, labels = session.run(['boxes', 'scores', 'labels'], {'image': image})", "```", ""]

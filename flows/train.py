@@ -72,7 +72,7 @@ LOCK_OWNER = ".dvc/tmp/flow.lock.owner"
 PARAMS_BACKUP = ".dvc/tmp/flows/params.yaml.orig"
 WAIT_LOG_EVERY_S = 60.0            # while queued behind another run, how often to say so
 # What the flow run's result points at (paths relative to the repository).
-OUTPUTS = {"metrics": "metrics/eval.json", "model": "models/model.pt", "exported_program": "models/model.pt2",
+OUTPUTS = {"metrics": "metrics/eval.json", "model": "models/model.pt", "exported_program": "models/torch_export/model.pt2",
            "onnx": "models/model.onnx", "export_report": "models/export_report.json",
            "training_metrics": "dvclive/metrics.json", "pr_curve": "plots/pr_curve.json"}
 

@@ -43,6 +43,7 @@ from detpipe.paths import ARROW_DIR, CACHE_DIR, METRICS, MODEL, PLOTS
 
 log = logging.getLogger("stages.evaluate")
 
+
 def evaluate(cfg: params_mod.Evaluate, arrow_dir: Path = ARROW_DIR, cache_dir: Path = CACHE_DIR,
              model_path: Path = MODEL, metrics_path: Path = METRICS, plots_dir: Path = PLOTS) -> dict | None:
     """Predict on val, score with COCOeval, write ``metrics_path`` and the plots; return the metrics dict

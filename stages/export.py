@@ -1,7 +1,8 @@
 """Export stage: the trained model as a torch.export ExportedProgram and ONNX (TorchScript on request), each
 checked against the eager model.
 
-``python -m stages.export`` writes ``models/model.pt2`` (``torch.export.save``; ``torch.export.load(...).module()``
+``python -m stages.export`` writes ``models/torch_export/model.pt2`` (``torch.export.save``; not for R-CNN models,
+see `detpipe.export.torch_export_supported`; ``torch.export.load(...).module()``
 takes one ``float32 (3, H, W)`` RGB image in [0, 1], H and W dynamic), ``models/model.onnx`` (opset
 ``export.opset``, ``torch.onnx.export(dynamo=False)``, input ``image`` of the same form), both with the outputs of
 `detpipe.export.DetectionExport`: ``boxes`` ``float32 (N, 4)`` XYXY input pixels, ``scores`` ``float32 (N,)``,
@@ -26,14 +27,14 @@ import torch
 from detpipe import params as params_mod
 from detpipe.data import CachedDetectionDataset, uses_masks
 from detpipe.errors import StageError, run_stage
-from detpipe.export import (DetectionExport, export_onnx, export_program, export_torchscript, model_card, parity,
-                            split_outputs)
+from detpipe.export import (TORCH_EXPORT_UNSUPPORTED, DetectionExport, export_onnx, export_program,
+                            export_torchscript, model_card, parity, split_outputs, torch_export_supported)
 from detpipe.io import atomic_dir, atomic_write_bytes, atomic_write_json
 from detpipe.models import load_model
 from detpipe.paths import ARROW_DIR, CACHE_DIR, METRICS, MODEL, MODELS_DIR
 
 log = logging.getLogger("stages.export")
-FILES = {"torch_export": "model.pt2", "onnx": "model.onnx", "torchscript": "torchscript/model.ts"}
+FILES = {"torch_export": "torch_export/model.pt2", "onnx": "model.onnx", "torchscript": "torchscript/model.ts"}
 
 
 def export(cfg: params_mod.Export, model_path: Path = MODEL, cache_dir: Path = CACHE_DIR,
@@ -66,8 +67,13 @@ def export(cfg: params_mod.Export, model_path: Path = MODEL, cache_dir: Path = C
     staging = Path(out_dir) / ".export-staging"
     with atomic_dir(staging) as tmp:
         (tmp / "torchscript").mkdir()
-        runners = {"torch_export": lambda p: export_program(wrapper, images[0], p),
-                   "onnx": lambda p: export_onnx(wrapper, images[0], p, cfg.opset)}
+        (tmp / "torch_export").mkdir()
+        runners = {"onnx": lambda p: export_onnx(wrapper, images[0], p, cfg.opset)}
+        if torch_export_supported(target):
+            runners["torch_export"] = lambda p: export_program(wrapper, images[0], p)
+        else:
+            report["unsupported"] = {"torch_export": TORCH_EXPORT_UNSUPPORTED}
+            log.warning("models/torch_export left empty: %s", TORCH_EXPORT_UNSUPPORTED)
         if cfg.torchscript:
             runners["torchscript"] = lambda p: export_torchscript(target, p, masks)
         for fmt, make in runners.items():
@@ -79,7 +85,7 @@ def export(cfg: params_mod.Export, model_path: Path = MODEL, cache_dir: Path = C
         _verdict(report, cfg)
         atomic_write_json(tmp / "export_report.json", report)
         atomic_write_bytes(tmp / "model_card.md", model_card(ckpt, report, arrow_dir, metrics_path).encode())
-    for rel in [FILES["torch_export"], FILES["onnx"], "torchscript", "export_report.json", "model_card.md"]:
+    for rel in ["torch_export", FILES["onnx"], "torchscript", "export_report.json", "model_card.md"]:
         dest = Path(out_dir) / rel
         if dest.is_dir():
             for old in dest.iterdir():

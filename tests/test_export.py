@@ -73,7 +73,7 @@ def test_default_export_compares_and_passes(trained_workdir, tmp_path):
     # the files run on their own, on an image of another size than the export example's
     image = CachedDetectionDataset(work / "data/cache", "val")[0][0]
     image = torch.nn.functional.interpolate(image[None], size=(300, 400))[0]
-    program = torch.export.load(str(work / "models/model.pt2")).module()
+    program = torch.export.load(str(work / "models/torch_export/model.pt2")).module()
     sess = ort.InferenceSession(str(work / "models/model.onnx"), providers=["CPUExecutionProvider"])
     got_onnx, raw_onnx = split_outputs(sess.run(None, {"image": image.numpy()}), False)
     got_pt2, raw_pt2 = split_outputs(program(image), False)
@@ -95,10 +95,11 @@ def test_three_class_export_passes_and_perturbed_fails(three_class_workdir, tmp_
     assert (work / "models/torchscript/model.ts").is_file()
     scores = torch.load(work / "models/model.pt", weights_only=True)  # a 3-class model whose scores tie
     assert scores["config"]["num_classes"] == 4
-    before = {p: p.read_bytes() for p in (work / "models").glob("model.*")}
+    before = {p: p.read_bytes() for p in (work / "models").rglob("model.*")}
+    assert len(before) == 4  # model.pt, model.onnx, torch_export/model.pt2, torchscript/model.ts
     with pytest.raises(StageError, match=r"parity check failed: torch_export: .*head.cls_logits \(image 0\)"):
         export(Export(num_images=2), model=perturbed(work))
-    assert {p: p.read_bytes() for p in (work / "models").glob("model.*")} == before  # nothing replaced
+    assert {p: p.read_bytes() for p in (work / "models").rglob("model.*")} == before  # nothing replaced
 
 
 def test_torchscript_is_opt_in_and_checked(three_class_workdir, tmp_path):

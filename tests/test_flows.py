@@ -372,7 +372,7 @@ def test_run_outputs_result_and_experiment(prefect, killed_run):
     with its overrides and metrics."""
     repo, run = killed_run["repo"], killed_run["id"]
     for rel in ("data/raw/annotations/instances_train2017.json", "data/arrow/meta.json", "data/cache/meta.json",
-                "models/model.pt", "models/model.pt2", "models/model.onnx", "models/export_report.json",
+                "models/model.pt", "models/torch_export/model.pt2", "models/model.onnx", "models/export_report.json",
                 "metrics/eval.json", "dvclive/metrics.json"):
         assert (repo / rel).is_file(), rel
     exp = experiments(repo)["killed-run"]
