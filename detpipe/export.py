@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import json
 import warnings
 from pathlib import Path
@@ -277,7 +278,8 @@ def export_torchscript(model: torch.nn.Module, path: Path, masks: bool) -> Calla
     twin = _without_hooks(model)
     for sub in ["backbone", *raw_taps(model)]:
         parent, _, leaf = sub.rpartition(".")
-        setattr(twin.get_submodule(parent) if parent else twin, leaf, _Call(loaded.get_submodule(sub)))
+        setattr(twin.get_submodule(parent) if parent else twin, leaf,
+                _Call(functools.reduce(getattr, sub.split("."), loaded)))  # no get_submodule on ScriptModules
     twin_wrapper = DetectionExport(twin, masks)
 
     def run(im):
