@@ -44,13 +44,14 @@ def three_class_workdir(trained_workdir, tmp_path_factory):
 
 
 def perturbed(work):
-    """The model of ``work`` with one weight changed (classification head, level 0, last conv, weight [0, 0])."""
+    """The model of ``work`` with one weight changed: the backbone's first convolution, output channel 0, red,
+    centre tap, +0.5 (every later activation sees it)."""
     from detpipe.models import load_model
     model, _ = load_model(work / "models/model.pt")
     model = copy.deepcopy(model)
-    conv = [m for m in model.head.classification_head.module_list[0].modules() if isinstance(m, torch.nn.Conv2d)][-1]
+    conv = next(m for m in model.backbone.modules() if isinstance(m, torch.nn.Conv2d))
     with torch.no_grad():
-        conv.weight[0, 0] += 0.5
+        conv.weight[0, 0, 1, 1] += 0.5
     return model
 
 
@@ -97,7 +98,7 @@ def test_three_class_export_passes_and_perturbed_fails(three_class_workdir, tmp_
     assert scores["config"]["num_classes"] == 4
     before = {p: p.read_bytes() for p in (work / "models").rglob("model.*")}
     assert len(before) == 4  # model.pt, model.onnx, torch_export/model.pt2, torchscript/model.ts
-    with pytest.raises(StageError, match=r"parity check failed: torch_export: .*head.cls_logits \(image 0\)"):
+    with pytest.raises(StageError, match=r"parity check failed: torch_export: .*head\.\w+ \(image 0\)"):
         export(Export(num_images=2), model=perturbed(work))
     assert {p: p.read_bytes() for p in (work / "models").rglob("model.*")} == before  # nothing replaced
 
