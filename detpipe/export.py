@@ -7,7 +7,7 @@ R-CNN models ``model.rpn.head`` (objectness and box deltas per FPN level). These
 (anchor, class), so comparing them is immune to the tie-breaking that makes the final detections of a barely
 trained model differ between runtimes (scores all ≈ 1/num_classes: which near-equal box survives top-k and NMS
 is float noise). `compare_raw` is the gate: every raw tensor of the exported file must agree with the eager
-model's within ``rtol`` of its largest magnitude, on every checked image. The final detections are compared
+model's within ``rtol`` of its root-mean-square magnitude, on every checked image. The final detections are compared
 too (`match_detections`), as figures in the report, not as a verdict. R-CNN box/mask heads run on proposals
 that the RPN's NMS picks, so for those models only the detection figures cover them.
 """
@@ -104,16 +104,17 @@ def compare_raw(ref: list[list[torch.Tensor]], got: list[list[torch.Tensor]], na
                 rtol: float) -> dict:
     """The parity verdict: raw (pre-NMS) outputs of an exported model against the eager model's, per image.
 
-    Tensor ``k`` of image ``i`` passes when the shapes are equal and ``max |got - ref| <= rtol * max |ref|``
-    (an absolute floor of 1e-6 for all-zero tensors); all must pass.
+    Tensor ``k`` of image ``i`` passes when the shapes are equal and ``max |got - ref| <= rtol * rms(ref)``
+    (root-mean-square magnitude, floored at 1e-6 for all-zero tensors: a scale that a few outlier logits do not
+    inflate, so one changed weight shows); all must pass.
 
     Args:
         ref, got: per image, the raw tensors in `DetectionExport.output_names` order (after the detections).
         names: their names, for the report.
-        rtol: tolerance relative to the largest magnitude of the eager tensor.
+        rtol: tolerance relative to the root-mean-square magnitude of the eager tensor.
     Returns:
         ``{"compared": tensors compared, "values": numbers compared, "max_rel_diff": largest
-        ``max|got - ref| / max|ref|``, "failed": ["name (image i): why", ...], "ok": bool}``; ``ok`` is False
+        ``max|got - ref| / rms(ref)``, "failed": ["name (image i): why", ...], "ok": bool}``; ``ok`` is False
         when nothing was compared.
     """
     out = {"compared": 0, "values": 0, "max_rel_diff": 0.0, "failed": []}
@@ -128,11 +129,11 @@ def compare_raw(ref: list[list[torch.Tensor]], got: list[list[torch.Tensor]], na
                 out["failed"].append(f"{name} (image {i}): shape {tuple(g.shape)}, eager {tuple(r.shape)}")
                 continue
             out["values"] += r.numel()
-            scale = max(float(r.abs().max()) if r.numel() else 0.0, 1e-6)
+            scale = max(float(r.pow(2).mean().sqrt()) if r.numel() else 0.0, 1e-6)
             rel = float((g - r).abs().max()) / scale if r.numel() else 0.0
             out["max_rel_diff"] = max(out["max_rel_diff"], rel)
             if not rel <= rtol:
-                out["failed"].append(f"{name} (image {i}): max |diff| {rel:.3g} x max |eager| > rtol {rtol}")
+                out["failed"].append(f"{name} (image {i}): max |diff| {rel:.3g} x rms |eager| > rtol {rtol}")
     out["ok"] = out["compared"] > 0 and not out["failed"]
     return out
 
@@ -327,7 +328,7 @@ def model_card(ckpt: dict, report: dict, arrow_dir: Path, metrics_path: Path) ->
                   "[0, 1] | `(losses, detections)`; `detections[i]`: `boxes`, `scores`, `labels`"
                   f"{', `masks`' if masks else ''} as above |"]
     lines += ["", f"Parity with the eager model on {report['images']} val images: raw head outputs (before "
-              f"top-k/NMS) equal within {report['rtol']} of their largest magnitude: " + ", ".join(
+              f"top-k/NMS) equal within {report['rtol']} of their rms magnitude: " + ", ".join(
                   f"{fmt} {'pass' if r['raw']['ok'] else 'FAIL'} (largest relative difference "
                   f"{r['raw']['max_rel_diff']:.2g}; final detections matched {r['detections']['match']:.3f})"
                   for fmt, r in report["formats"].items()) + ".",

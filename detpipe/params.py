@@ -116,7 +116,7 @@ class Export(_Section):
     num_images: int = Field(default=4, ge=1, description='Val images used by the parity check.')
     score_threshold: float = Field(default=0.05, ge=0, le=1, description='Eager detections at or above this score are matched in each exported model (report figures, not the verdict).')
     iou_match: float = Field(default=0.99, gt=0, le=1, description='IoU at or above which an exported detection matches an eager one (same label).')
-    rtol: float = Field(default=1e-3, gt=0, description='Parity gate: each raw pre-NMS head output of an exported file must equal the eager one within rtol x its largest magnitude.')
+    rtol: float = Field(default=1e-3, gt=0, description='Parity gate: each raw pre-NMS head output of an exported file must equal the eager one within rtol x its root-mean-square magnitude.')
     require_parity: bool = Field(default=True, description='false: export even when the parity gate compared nothing (a model without a known head).')
     torchscript: bool = Field(default=False, description='Also write models/torchscript/model.ts (torch.jit.script; deprecated by PyTorch, for LibTorch/C++ deployments).')
 

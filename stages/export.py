@@ -13,7 +13,7 @@ then the raw pre-NMS head outputs; ``models/torchscript/`` (empty, or with ``exp
 
 Parity gate, on ``export.num_images`` val images: every raw head output (before top-k and NMS, so that ties among
 the near-equal scores of a barely trained model cannot reorder anything) of each file, as loaded back, must equal
-the eager model's within ``export.rtol`` of its largest magnitude (`detpipe.export.compare_raw`). The final
+the eager model's within ``export.rtol`` of its root-mean-square magnitude (`detpipe.export.compare_raw`). The final
 detections are matched too (``export.score_threshold``, ``export.iou_match``) and reported, not gated. A run that
 compared nothing fails unless ``export.require_parity: false``. Nothing is written unless every check passes.
 """
