@@ -18,8 +18,11 @@ import torch.nn.functional as F
 from pycocotools import mask as mask_utils
 from torch.utils.data import DataLoader
 
+from detpipe.cocoeval import pr_curve_rows
 from detpipe.data import CachedDetectionDataset, collate
 from detpipe.errors import StageError
+from detpipe.imageio import decode_rgb
+from detpipe.io import atomic_dir, atomic_write_bytes, atomic_write_json
 
 MASK_THRESHOLD = 0.5  # mask probability -> binary, as torchvision's references/detection/coco_eval.py
 
@@ -158,3 +161,54 @@ def predict(model: torch.nn.Module, dataset: CachedDetectionDataset, label_to_ca
 def label_to_category_id(meta: dict) -> dict[int, int]:
     """Contiguous label → COCO ``category_id`` from ``data/arrow/meta.json``."""
     return {int(label): int(cat) for cat, label in meta["category_id_to_label"].items()}
+
+
+def write_plots(plots_dir: Path, result, dets: list[dict], gt: dict, val_dir: Path, num_images: int,
+                score_threshold: float) -> None:
+    """``pr_curve.json`` (IoU 0.5 and 0.75), ``per_class_ap.json`` (``{"per_class_ap": [{"class", "AP"}]}``, bbox
+    AP@[.5:.95] of the classes with ground truth) and ``val_images/<image_id>.png`` (the first ``num_images``
+    val images of the Arrow shards in ``val_dir``, original size, predicted boxes red with score ≥
+    ``score_threshold`` and their masks shaded red when detections carry a ``segmentation``, ground truth
+    green), all replaced atomically. ``result``: the bbox `detpipe.cocoeval.CocoResult`; ``dets``, ``gt``: COCO
+    results and instances dicts in original pixels."""
+    from torchvision.io import encode_png
+    from torchvision.utils import draw_bounding_boxes, draw_segmentation_masks
+
+    rows = [{**r, "iou": iou} for iou in (0.5, 0.75) for r in pr_curve_rows(result, iou=iou)]
+    atomic_write_json(plots_dir / "pr_curve.json", {"pr_curve": rows})
+    per_class = [{"class": name, "AP": ap} for name, ap in result.per_class_ap.items() if ap >= 0]
+    atomic_write_json(plots_dir / "per_class_ap.json", {"per_class_ap": per_class})
+    arrow_rows = _val_image_rows(val_dir, num_images)
+    by_image_dt: dict[int, list] = {}
+    by_image_masks: dict[int, list] = {}
+    for d in dets:
+        if d["score"] >= score_threshold:
+            by_image_dt.setdefault(d["image_id"], []).append(d["bbox"])
+            if "segmentation" in d:
+                by_image_masks.setdefault(d["image_id"], []).append(d["segmentation"])
+    by_image_gt: dict[int, list] = {}
+    for a in gt["annotations"]:
+        by_image_gt.setdefault(a["image_id"], []).append(a["bbox"])
+    with atomic_dir(plots_dir / "val_images") as tmp:
+        for row in arrow_rows:
+            image = torch.from_numpy(decode_rgb(row["image"], row["file_name"])).permute(2, 0, 1).contiguous()
+            if by_image_masks.get(row["image_id"]):
+                m = mask_utils.decode(by_image_masks[row["image_id"]])  # (H, W, N)
+                image = draw_segmentation_masks(image, torch.from_numpy(m).permute(2, 0, 1).bool(), alpha=0.4,
+                                                colors="red")
+            for boxes, color in ((by_image_gt.get(row["image_id"], []), "green"),
+                                 (by_image_dt.get(row["image_id"], []), "red")):
+                if boxes:
+                    xyxy = torch.tensor([[x, y, x + w, y + h] for x, y, w, h in boxes], dtype=torch.float32)
+                    image = draw_bounding_boxes(image, xyxy, colors=color, width=2)
+            atomic_write_bytes(tmp / f"{row['image_id']}.png", encode_png(image).numpy().tobytes())
+
+
+def _val_image_rows(split_dir: Path, n: int) -> list[dict]:
+    rows = []
+    for shard in sorted(Path(split_dir).glob("*.arrow")):
+        if len(rows) >= n:
+            break
+        table = ipc.open_file(pa.memory_map(str(shard))).read_all().select(["image_id", "file_name", "image"])
+        rows += table.slice(0, n - len(rows)).to_pylist()
+    return rows

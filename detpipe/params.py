@@ -112,7 +112,7 @@ class Train(_Section):
 
 class Evaluate(_Section):
     batch_size: int = Field(default=16, ge=1, description='Images per forward pass.')
-    backend: Literal["pycocotools", "faster_coco_eval"] = Field(default="pycocotools", description='COCOeval implementation: pycocotools or faster_coco_eval (identical stats).')
+    backend: Literal["pycocotools", "faster_coco_eval"] = Field(default="faster_coco_eval", description='COCOeval implementation: faster_coco_eval (C++, faster) or the pycocotools reference (identical stats).')
     score_threshold: float = Field(default=0.0, ge=0, le=1, description='Detections below this score are not scored.')
     nproc_per_node: int = Field(default=1, ge=1, description='Processes that each predict part of val (torchrun); rank 0 scores.')
     num_plot_images: int = Field(default=4, ge=0, description='Val images drawn with predicted and ground-truth boxes under plots/.')
@@ -122,9 +122,11 @@ class Evaluate(_Section):
 class Export(_Section):
     opset: int = Field(default=17, ge=11, description='ONNX opset version.')
     num_images: int = Field(default=4, ge=1, description='Val images used by the parity check.')
-    score_threshold: float = Field(default=0.05, ge=0, le=1, description='Eager detections at or above this score must be matched by each exported model.')
+    score_threshold: float = Field(default=0.05, ge=0, le=1, description='Eager detections at or above this score are matched in each exported model (report figures, not the verdict).')
     iou_match: float = Field(default=0.99, gt=0, le=1, description='IoU at or above which an exported detection matches an eager one (same label).')
-    min_match: float = Field(default=0.99, ge=0, le=1, description='Share of eager detections each exported model must match, else the stage fails.')
+    rtol: float = Field(default=1e-3, gt=0, description='Parity gate: each raw pre-NMS head output of an exported file must equal the eager one within rtol x its root-mean-square magnitude.')
+    require_parity: bool = Field(default=True, description='false: export even when the parity gate compared nothing (a model without a known head).')
+    torchscript: bool = Field(default=False, description='Also write models/torchscript/model.ts (torch.jit.script; deprecated by PyTorch, for LibTorch/C++ deployments).')
 
 
 class Flows(_Section):

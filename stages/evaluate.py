@@ -3,18 +3,19 @@ original image coordinates.
 
 ``python -m stages.evaluate`` runs ``models/model.pt`` on ``data/cache/val`` (the resized cache), maps the
 predicted boxes back to original pixels (``orig = cached / scale + offset``), converts them to COCO results
-(``[x, y, w, h]``, ``category_id``, ``score``) and scores them with pycocotools ``COCOeval`` (or
-faster-coco-eval, ``evaluate.backend``) against the val ground truth rebuilt from ``data/arrow/val``.
+(``[x, y, w, h]``, ``category_id``, ``score``) and scores them with faster-coco-eval's ``COCOeval_faster`` (or
+pycocotools, ``evaluate.backend``) against the val ground truth rebuilt from ``data/arrow/val``.
 
 Mask models (Mask R-CNN: ``roi_heads.has_mask()``): each detection's mask probabilities (the model's
 ``masks`` output, at the cached size) are resampled to the original image size by the same mapping
 (`masks_to_rles`), thresholded at 0.5 and RLE-encoded (``pycocotools.mask.encode``); ``COCOeval`` with
 ``iouType="segm"`` scores them against the val ground truth's polygons / RLE.
 
-Writes ``metrics/eval.json`` (DVC metrics): ``bbox`` (the 12 standard stats: AP, AP50, AP75, APs, APm, APl,
-AR1, AR10, AR100, ARs, ARm, ARl), for mask models ``segm`` (the same 12 stats of the masks), ``per_class_AP``
-(bbox), ``num_images``, ``num_detections``; for ``dvc plots show``
-``plots/pr_curve.json`` (bbox precision-recall at IoU 0.5 and 0.75) and ``plots/per_class_ap.json``; and
+Writes ``metrics/eval.json`` (DVC metrics, the headline figures `dvc exp show` lists): ``bbox`` (the 12
+standard stats: AP, AP50, AP75, APs, APm, APl, AR1, AR10, AR100, ARs, ARm, ARl), for mask models ``segm`` (the same
+12 stats of the masks), ``num_images``, ``num_detections``; for ``dvc plots show`` (`detpipe.evaluation.write_plots`)
+``plots/pr_curve.json`` (bbox precision-recall at IoU 0.5 and 0.75) and ``plots/per_class_ap.json`` (bbox AP per
+class with ground truth: kept out of the metrics file so experiment tables stay narrow); and
 ``plots/val_images/*.png``: a few val images with predicted (red, score ≥ ``evaluate.plot_score_threshold``;
 masks shaded for mask models) and ground-truth (green) boxes.
 
@@ -28,24 +29,20 @@ import math
 import os
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.ipc as ipc
-import torch
 import torch.distributed as dist
-from pycocotools import mask as mask_utils
 
 from detpipe import params as params_mod
-from detpipe.cocoeval import coco_evaluate, pr_curve_rows
+from detpipe.cocoeval import coco_evaluate
 from detpipe.errors import StageError, run_stage
-from detpipe.io import atomic_dir, atomic_write_bytes, atomic_write_json
+from detpipe.io import atomic_write_json
 from detpipe.data import CachedDetectionDataset, read_meta, uses_masks
-from detpipe.imageio import decode_rgb
 from detpipe.distributed import launch_module, setup_distributed
-from detpipe.evaluation import gt_from_arrow, label_to_category_id, predict
+from detpipe.evaluation import gt_from_arrow, label_to_category_id, predict, write_plots
 from detpipe.models import load_model
 from detpipe.paths import ARROW_DIR, CACHE_DIR, METRICS, MODEL, PLOTS
 
 log = logging.getLogger("stages.evaluate")
+
 
 def evaluate(cfg: params_mod.Evaluate, arrow_dir: Path = ARROW_DIR, cache_dir: Path = CACHE_DIR,
              model_path: Path = MODEL, metrics_path: Path = METRICS, plots_dir: Path = PLOTS) -> dict | None:
@@ -83,60 +80,11 @@ def evaluate(cfg: params_mod.Evaluate, arrow_dir: Path = ARROW_DIR, cache_dir: P
             raise StageError(f"{metrics_path}: non-finite COCO {iou_type} stats {bad}")
     result = results["bbox"]
     metrics = {"bbox": result.stats, **({"segm": results["segm"].stats} if with_masks else {}),
-               "per_class_AP": result.per_class_ap,
                "num_images": result.num_images, "num_detections": result.num_detections}
-    write_plots(Path(plots_dir), result, dets, gt, cfg, Path(arrow_dir) / "val")
+    write_plots(Path(plots_dir), result, dets, gt, Path(arrow_dir) / "val", cfg.num_plot_images,
+                cfg.plot_score_threshold)
     atomic_write_json(metrics_path, metrics)
     return metrics
-
-
-def write_plots(plots_dir: Path, result, dets: list[dict], gt: dict, cfg: params_mod.Evaluate,
-                val_dir: Path) -> None:
-    """``pr_curve.json`` (IoU 0.5 and 0.75), ``per_class_ap.json`` (classes with ground truth) and
-    ``val_images/<image_id>.png`` (the first ``cfg.num_plot_images`` val images, original size, predicted
-    boxes red with score ≥ ``cfg.plot_score_threshold`` and their masks shaded red when detections carry a
-    ``segmentation``, ground truth green), all replaced atomically."""
-    from torchvision.io import encode_png
-    from torchvision.utils import draw_bounding_boxes, draw_segmentation_masks
-
-    rows = [{**r, "iou": iou} for iou in (0.5, 0.75) for r in pr_curve_rows(result, iou=iou)]
-    atomic_write_json(plots_dir / "pr_curve.json", {"pr_curve": rows})
-    per_class = [{"class": name, "AP": ap} for name, ap in result.per_class_ap.items() if ap >= 0]
-    atomic_write_json(plots_dir / "per_class_ap.json", {"per_class_ap": per_class})
-    arrow_rows = _val_image_rows(val_dir, cfg.num_plot_images)
-    by_image_dt: dict[int, list] = {}
-    by_image_masks: dict[int, list] = {}
-    for d in dets:
-        if d["score"] >= cfg.plot_score_threshold:
-            by_image_dt.setdefault(d["image_id"], []).append(d["bbox"])
-            if "segmentation" in d:
-                by_image_masks.setdefault(d["image_id"], []).append(d["segmentation"])
-    by_image_gt: dict[int, list] = {}
-    for a in gt["annotations"]:
-        by_image_gt.setdefault(a["image_id"], []).append(a["bbox"])
-    with atomic_dir(plots_dir / "val_images") as tmp:
-        for row in arrow_rows:
-            image = torch.from_numpy(decode_rgb(row["image"], row["file_name"])).permute(2, 0, 1).contiguous()
-            if by_image_masks.get(row["image_id"]):
-                m = mask_utils.decode(by_image_masks[row["image_id"]])  # (H, W, N)
-                image = draw_segmentation_masks(image, torch.from_numpy(m).permute(2, 0, 1).bool(), alpha=0.4,
-                                                colors="red")
-            for boxes, color in ((by_image_gt.get(row["image_id"], []), "green"),
-                                 (by_image_dt.get(row["image_id"], []), "red")):
-                if boxes:
-                    xyxy = torch.tensor([[x, y, x + w, y + h] for x, y, w, h in boxes], dtype=torch.float32)
-                    image = draw_bounding_boxes(image, xyxy, colors=color, width=2)
-            atomic_write_bytes(tmp / f"{row['image_id']}.png", encode_png(image).numpy().tobytes())
-
-
-def _val_image_rows(split_dir: Path, n: int) -> list[dict]:
-    rows = []
-    for shard in sorted(Path(split_dir).glob("*.arrow")):
-        if len(rows) >= n:
-            break
-        table = ipc.open_file(pa.memory_map(str(shard))).read_all().select(["image_id", "file_name", "image"])
-        rows += table.slice(0, n - len(rows)).to_pylist()
-    return rows
 
 
 def main() -> None:

@@ -308,3 +308,14 @@ def test_bad_ground_truth(gt):
         coco_evaluate(gt, [], backend="detectron")
     with pytest.raises(ValueError, match="iou_type"):
         coco_evaluate(gt, [], iou_type="keypoints")
+
+
+def test_faster_backend_is_the_default():
+    """Issue 15.8: the evaluate stage and `coco_evaluate` default to faster_coco_eval, whose numbers
+    `test_backends_agree` shows equal to pycocotools'."""
+    import inspect
+
+    from detpipe.params import Evaluate
+
+    assert Evaluate().backend == "faster_coco_eval"
+    assert inspect.signature(coco_evaluate).parameters["backend"].default == "faster_coco_eval"

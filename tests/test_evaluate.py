@@ -57,8 +57,15 @@ def test_evaluate_stage(trained_workdir):
     assert "Average Precision" in proc.stderr
     pr = json.loads((trained_workdir / "plots/pr_curve.json").read_text())["pr_curve"]
     assert {r["iou"] for r in pr} == {0.5, 0.75}
+    # per-class AP only in its plots file (issue 16.3: `dvc exp show` lists the headline metrics only)
+    assert set(metrics) == {"bbox", "num_images", "num_detections"}
     per_class = json.loads((trained_workdir / "plots/per_class_ap.json").read_text())["per_class_ap"]
-    assert {r["class"] for r in per_class} == {k for k, v in metrics["per_class_AP"].items() if v >= 0}
+    gt_val = gt_from_arrow(trained_workdir / "data/arrow/val", meta)
+    names = {c["id"]: c["name"] for c in gt_val["categories"]}
+    with_gt = {names[a["category_id"]] for a in gt_val["annotations"] if not a["iscrowd"]}
+    assert {r["class"] for r in per_class} == with_gt
+    assert all(0 <= r["AP"] <= 1 for r in per_class)
+    assert "(faster_coco_eval)" in proc.stderr  # the default backend
     # val images drawn at their original size
     from PIL import Image
     pngs = sorted((trained_workdir / "plots/val_images").glob("*.png"))

@@ -1,127 +1,170 @@
-"""Export stage: TorchScript and ONNX files that agree with the eager model, and a failing parity gate."""
+"""Export stage: torch.export and ONNX files (TorchScript on request) whose raw pre-NMS outputs agree with the
+eager model; the gate passes a sound export of a barely trained few-class model and fails a perturbed one."""
 from __future__ import annotations
 
+import copy
 import json
 import shutil
+import warnings
 
-import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
 
-from conftest import recalibrated_model, run_stage
+from conftest import run_stage, write_params
+from detpipe.data import CachedDetectionDataset, collate
 from detpipe.errors import StageError
-from detpipe.data import CachedDetectionDataset
-from stages.export import match_detections
+from detpipe.export import DetectionExport, compare_raw, match_detections, split_outputs
+from detpipe.models import build_model, model_config
+from detpipe.params import Export
 
 
 @pytest.fixture(scope="module")
-def confident_workdir(trained_workdir, tmp_path_factory):
-    """`trained_workdir` with a model whose scores depend on the image and are well separated.
-
-    A few tiny training steps leave BatchNorm's running statistics near their initial values, so that model's
-    outputs hardly depend on the input and every score is ≈ 1/81 (comparing exports on it means nothing).
-    Here BatchNorm statistics are recalibrated on the training images (cumulative average) and the
-    classification logits doubled: a cheap stand-in for a trained model.
-    """
-    work = tmp_path_factory.mktemp("confident")
+def three_class_workdir(trained_workdir, tmp_path_factory):
+    """`trained_workdir` with ``models/model.pt`` replaced by a 3-class SSDlite trained 3 SGD steps on the train
+    cache (labels folded into 1..3): every score sits near 1/4, where NMS ties reorder final detections."""
+    work = tmp_path_factory.mktemp("three")
     shutil.copytree(trained_workdir, work, dirs_exist_ok=True)
-    model, ckpt = recalibrated_model(work)
-    with torch.no_grad():
-        for m in model.head.classification_head.module_list:
-            last = [c for c in m.modules() if isinstance(c, torch.nn.Conv2d)][-1]
-            last.weight.mul_(2)
-            last.bias.mul_(2)
-    ckpt["model"] = model.state_dict()
+    torch.manual_seed(0)
+    model = build_model("ssdlite320_mobilenet_v3_large", 4)
+    data = CachedDetectionDataset(work / "data/cache", "train")
+    images, targets = collate([data[i] for i in range(4)])
+    targets = [{"boxes": t["boxes"], "labels": (t["labels"] - 1) % 3 + 1} for t in targets]
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    model.train()
+    for _ in range(3):
+        loss = sum(model(list(images), targets).values())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    ckpt = torch.load(work / "models/model.pt", weights_only=True)
+    ckpt.update(model=model.state_dict(), config=model_config("ssdlite320_mobilenet_v3_large", 4))
     torch.save(ckpt, work / "models/model.pt")
     return work
 
 
-def test_untrained_model_report_is_vacuous(trained_workdir, tmp_path):
-    """A barely trained model has no detection above the threshold: the report says nothing was compared."""
+def perturbed(work):
+    """The model of ``work`` with one weight changed: the bias of class 1, anchor 0 in the level-0 classification
+    conv, +1 (a wrong graph that only one logit per position of one level would reveal)."""
+    from detpipe.models import load_model
+    model, _ = load_model(work / "models/model.pt")
+    model = copy.deepcopy(model)
+    conv = [m for m in model.head.classification_head.module_list[0].modules() if isinstance(m, torch.nn.Conv2d)][-1]
+    with torch.no_grad():
+        conv.bias[1] += 1.0
+    return model
+
+
+def test_default_export_compares_and_passes(trained_workdir, tmp_path):
+    """The default model (80 classes, barely trained): raw outputs compared for every format, all agree; no
+    deprecation warning (TorchScript is off by default); the files load and run on their own."""
     work = tmp_path / "w"
     shutil.copytree(trained_workdir, work)
     proc = run_stage("export", work)
+    assert "FutureWarning" not in proc.stderr and "DeprecationWarning" not in proc.stderr
     report = json.loads((work / "models/export_report.json").read_text())
-    assert report["onnx"]["vacuous"] and report["onnx"]["compared"] == 0
-    assert "nothing was compared" in proc.stderr
-
-
-def test_export_stage(confident_workdir, tmp_path):
-    work = tmp_path / "w"
-    shutil.copytree(confident_workdir, work)
-    run_stage("export", work)
-    report = json.loads((work / "models/export_report.json").read_text())
-    for fmt in ("torchscript", "onnx"):
-        assert report[fmt]["compared"] > 20 and report[fmt]["match"] >= 0.99 and not report[fmt]["vacuous"]
+    assert set(report["formats"]) == {"torch_export", "onnx"}
+    assert report["raw_outputs"] == ["head.bbox_regression", "head.cls_logits"]
+    for fmt, r in report["formats"].items():
+        assert r["raw"]["ok"] and r["raw"]["compared"] == 2 * report["images"], fmt
+        assert r["raw"]["values"] > 100_000 and r["raw"]["max_rel_diff"] < 1e-4, fmt
+    assert not any((work / "models/torchscript").iterdir()) and not (work / "models/model.ts").exists()
     card = (work / "models/model_card.md").read_text()
-    assert "ssdlite320_mobilenet_v3_large" in card and "onnxruntime" in card and "sha256" in card
-    # the files load and run on their own, on an image of a size other than the export example's
+    assert "ssdlite320_mobilenet_v3_large" in card and "torch.export.load" in card and "sha256" in card
+    # the files run on their own, on an image of another size than the export example's
     image = CachedDetectionDataset(work / "data/cache", "val")[0][0]
     image = torch.nn.functional.interpolate(image[None], size=(300, 400))[0]
-    ts = torch.jit.load(str(work / "models/model.ts"))
-    _, dets = ts([image])
+    program = torch.export.load(str(work / "models/torch_export/model.pt2")).module()
     sess = ort.InferenceSession(str(work / "models/model.onnx"), providers=["CPUExecutionProvider"])
-    boxes, scores, labels = sess.run(None, {"image": image.numpy()})
-    assert boxes.shape[1] == 4 and len(boxes) == len(scores) == len(labels) == len(dets[0]["boxes"]) > 0
-    ref = {k: dets[0][k] for k in ("boxes", "scores", "labels")}
-    got = {"boxes": torch.from_numpy(boxes), "scores": torch.from_numpy(scores),
-           "labels": torch.from_numpy(labels.astype(np.int64))}
-    m = match_detections(ref, got, 0.05, 0.99)
-    assert m["matched"] == m["compared"] > 0
+    got_onnx, raw_onnx = split_outputs(sess.run(None, {"image": image.numpy()}), False)
+    got_pt2, raw_pt2 = split_outputs(program(image), False)
+    assert len(got_onnx["boxes"]) == len(got_pt2["boxes"]) > 0
+    assert compare_raw([raw_pt2], [raw_onnx], report["raw_outputs"], 1e-3)["ok"]
 
 
-def test_match_detections_detects_disagreement():
+def test_three_class_export_passes_and_perturbed_fails(three_class_workdir, tmp_path, monkeypatch):
+    """Issue 15.2: a sound export of a barely trained 3-class model passes (the final detections may differ by
+    NMS ties; the raw outputs do not); the same export with one weight changed fails, and writes nothing."""
+    from stages.export import export
+
+    work = tmp_path / "w"
+    shutil.copytree(three_class_workdir, work)
+    monkeypatch.chdir(work)
+    report = export(Export(num_images=2, torchscript=True))
+    for fmt in ("torch_export", "onnx", "torchscript"):
+        assert report["formats"][fmt]["raw"]["ok"], fmt
+    assert (work / "models/torchscript/model.ts").is_file()
+    scores = torch.load(work / "models/model.pt", weights_only=True)  # a 3-class model whose scores tie
+    assert scores["config"]["num_classes"] == 4
+    before = {p: p.read_bytes() for p in (work / "models").rglob("model.*")}
+    assert len(before) == 4  # model.pt, model.onnx, torch_export/model.pt2, torchscript/model.ts
+    with pytest.raises(StageError, match=r"parity check failed: onnx: .*head\.cls_logits \(image 0\).*; torch_export: .*head\.cls_logits"):
+        export(Export(num_images=2), model=perturbed(work))
+    assert {p: p.read_bytes() for p in (work / "models").rglob("model.*")} == before  # nothing replaced
+
+
+def test_torchscript_is_opt_in_and_checked(three_class_workdir, tmp_path):
+    """``export.torchscript: true`` (LibTorch users) writes models/torchscript/model.ts through the stage; the
+    file runs with torchvision's scripted API."""
+    work = tmp_path / "w"
+    shutil.copytree(three_class_workdir, work)
+    write_params(work, {"export": {"num_images": 1, "torchscript": True}})
+    run_stage("export", work)
+    report = json.loads((work / "models/export_report.json").read_text())
+    assert report["formats"]["torchscript"]["raw"]["ok"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        ts = torch.jit.load(str(work / "models/torchscript/model.ts"))
+    _, dets = ts([CachedDetectionDataset(work / "data/cache", "val")[0][0]])
+    assert dets[0]["boxes"].shape[1] == 4
+
+
+def test_compare_raw_rejects_disagreement():
+    ref = [[torch.tensor([[1.0, -2.0], [0.5, 4.0]])]]
+    assert compare_raw(ref, ref, ["t"], 1e-3)["ok"]
+    assert compare_raw(ref, [[ref[0][0] + 1e-5]], ["t"], 1e-3)["ok"]  # float noise
+    off = compare_raw(ref, [[ref[0][0] + torch.tensor([[0.0, 0.0], [0.0, 0.01]])]], ["t"], 1e-3)
+    assert not off["ok"] and off["failed"] == ["t (image 0): max |diff| 0.00434 x rms |eager| > rtol 0.001"]
+    assert not compare_raw(ref, [[ref[0][0][:1]]], ["t"], 1e-3)["ok"]  # shape
+    assert not compare_raw([[]], [[]], [], 1e-3)["ok"]  # nothing compared is not a pass
+    assert not compare_raw(ref, [[torch.full_like(ref[0][0], float("nan"))]], ["t"], 1e-3)["ok"]
+
+
+def test_nothing_compared_fails_unless_opted_out(trained_workdir, tmp_path, monkeypatch):
+    """A model without a known head: the stage fails (nothing compared) unless export.require_parity is false."""
+    import detpipe.export as export_mod
+    from stages.export import export
+
+    work = tmp_path / "w"
+    shutil.copytree(trained_workdir, work)
+    monkeypatch.chdir(work)
+    monkeypatch.setattr(export_mod, "raw_taps", lambda model: [])
+    with pytest.raises(StageError, match="nothing compared for onnx, torch_export"):
+        export(Export(num_images=1))
+    assert not (work / "models/model.onnx").exists()
+    report = export(Export(num_images=1, require_parity=False))
+    assert report["formats"]["onnx"]["raw"]["compared"] == 0 and (work / "models/model.onnx").is_file()
+
+
+def test_match_detections_figures():
     ref = {"boxes": torch.tensor([[0., 0, 10, 10], [20, 20, 40, 40]]), "scores": torch.tensor([0.9, 0.8]),
            "labels": torch.tensor([1, 2])}
-    same = match_detections(ref, ref, 0.5, 0.99)
-    assert same == {"compared": 2, "matched": 2, "boundary": 0, "max_box_diff": 0.0, "max_score_diff": 0.0}
+    assert match_detections(ref, ref, 0.5, 0.99)["matched"] == 2
     moved = {**ref, "boxes": ref["boxes"] + torch.tensor([[0., 0, 0, 0], [2, 2, 2, 2]])}
     assert match_detections(ref, moved, 0.5, 0.99)["matched"] == 1
     relabeled = {**ref, "labels": torch.tensor([1, 3])}
     assert match_detections(ref, relabeled, 0.5, 0.99)["matched"] == 1
-    missing = {k: v[:1] for k, v in ref.items()}
-    assert match_detections(ref, missing, 0.5, 0.99) == {"compared": 2, "matched": 1, "boundary": 0,
-                                                         "max_box_diff": 0.0, "max_score_diff": 0.0}
+    flat = {"boxes": torch.tensor([[320., 10, 320, 50]]), "scores": torch.tensor([0.9]), "labels": torch.tensor([1])}
+    assert match_detections(flat, flat, 0.5, 0.99)["matched"] == 1  # zero area: IoU NaN, equal coordinates
 
 
-def test_zero_area_boxes_match_themselves():
-    """Boxes clipped flat at the image border have zero area (IoU NaN): equal coordinates still match."""
-    ref = {"boxes": torch.tensor([[320., 10, 320, 50], [0, 0, 10, 10]]), "scores": torch.tensor([0.9, 0.8]),
-           "labels": torch.tensor([1, 1])}
-    assert match_detections(ref, ref, 0.5, 0.99)["matched"] == 2
-    moved = {**ref, "boxes": torch.tensor([[318., 10, 318, 50], [0, 0, 10, 10]])}
-    assert match_detections(ref, moved, 0.5, 0.99)["matched"] == 1
-
-
-def test_truncation_boundary_is_not_a_disagreement():
-    """A full output that kept another of two near-equal candidates is not counted against parity, but a
-    missing detection scoring clearly above the other's lowest kept score is."""
-    ref = {"boxes": torch.tensor([[0., 0, 10, 10], [20, 20, 40, 40]]),
-           "scores": torch.tensor([0.0123401, 0.0123400]), "labels": torch.tensor([1, 1])}
-    other = {"boxes": torch.tensor([[0., 0, 10, 10], [50, 50, 60, 60]]),
-             "scores": torch.tensor([0.0123401, 0.0123400]), "labels": torch.tensor([1, 1])}
-    m = match_detections(ref, other, 0.0, 0.99)
-    assert m["matched"] == 1 and m["boundary"] == 1 and m["compared"] == 1
-    confident = {**ref, "scores": torch.tensor([0.9, 0.8])}
-    m = match_detections(confident, {**other, "scores": torch.tensor([0.9, 0.1])}, 0.0, 0.99)
-    assert m["matched"] == 1 and m["boundary"] == 0 and m["compared"] == 2
-
-
-def test_parity_gate_fails_and_writes_nothing(confident_workdir, tmp_path, monkeypatch):
-    """An exported model that disagrees with the eager one stops the stage, and no model file is left."""
-    import stages.export as export_mod
-    from detpipe.params import Export
-
-    work = tmp_path / "w"
-    shutil.copytree(confident_workdir, work)
-    monkeypatch.chdir(work)
-    real_match = export_mod.match_detections
-
-    def shifted(ref, other, thr, iou):  # the exported boxes seen 5 pixels off
-        return real_match(ref, {**other, "boxes": other["boxes"] + 5.0}, thr, iou)
-
-    monkeypatch.setattr(export_mod, "match_detections", shifted)
-    with pytest.raises(StageError, match="parity check failed"):
-        export_mod.export(Export(num_images=2))
-    assert not any((work / "models").glob("model.ts")) and not any((work / "models").glob("model.onnx"))
+def test_wrapper_outputs_named(trained_workdir):
+    from detpipe.models import load_model
+    model, _ = load_model(trained_workdir / "models/model.pt")
+    image = CachedDetectionDataset(trained_workdir / "data/cache", "val")[0][0]
+    wrapper = DetectionExport(model)
+    names = wrapper.output_names(image)
+    with torch.inference_mode():
+        outs = wrapper(image)
+    assert names[:3] == ["boxes", "scores", "labels"] and len(outs) == len(names)
+    assert outs[names.index("head.cls_logits")].shape[-1] == model.head.classification_head.num_columns

@@ -45,7 +45,7 @@ def test_dvc_repro_end_to_end(tmp_path):
     sh(["git", "commit", "-qam", "tiny params"], work)
     sh(["dvc", "repro"], work)
     for path in ("data/raw/annotations/instances_train2017.json", "data/arrow/meta.json", "data/arrow/report.json",
-                 "data/cache/meta.json", "models/model.pt", "models/model.ts", "models/model.onnx",
+                 "data/cache/meta.json", "models/model.pt", "models/torch_export/model.pt2", "models/model.onnx",
                  "models/export_report.json", "dvclive/metrics.json", "plots/pr_curve.json"):
         assert (work / path).is_file(), path
     assert list((work / "data/arrow/train").glob("*.arrow")) and list((work / "data/cache/val").glob("*.arrow"))

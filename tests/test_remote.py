@@ -187,7 +187,7 @@ def test_s3_round_trip_fresh_clone_is_up_to_date(team):
     assert_no_secret(team.secret, pull.stdout, pull.stderr)
     paths = out_paths(team.a)
     assert {"data/raw", "data/arrow", "data/cache", "models/model.pt", "checkpoints", "models/model.onnx",
-            "models/model.ts"} <= set(paths)
+            "models/torch_export"} <= set(paths)
     expected = file_hashes(team.a, paths)
     assert file_hashes(b, paths) == expected
     assert any(p.startswith("checkpoints/ckpt-") for p in expected)
