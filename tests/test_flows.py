@@ -464,7 +464,7 @@ def test_run_outputs_result_and_experiment(prefect, killed_run):
     assert result["overrides"]["train.lr"] == 0.02 and result["metrics"] == eval_metrics["bbox"]
     assert list(result["stages"]) == ["download", "convert", "augment", "train", "evaluate", "export"]
     assert result["stages"]["download"] == "skipped" and result["stages"]["train"] == "ran"
-    for rel in ("models/model.pt", "models/model.ts", "models/model.onnx", "data/cache"):
+    for rel in ("models/model.pt", "models/torch_export", "models/model.onnx", "data/cache"):
         out = result["outputs"][rel]
         assert out["md5"] == exp["outs"][rel] and Path(out["cache"]).is_file(), (rel, out, exp["outs"])
     artifact = prefect.cli("artifact", "inspect", "train-results").stdout
