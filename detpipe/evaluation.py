@@ -19,6 +19,7 @@ from pycocotools import mask as mask_utils
 from torch.utils.data import DataLoader
 
 from detpipe.data import CachedDetectionDataset, collate
+from detpipe.progress import track
 from detpipe.errors import StageError
 
 MASK_THRESHOLD = 0.5  # mask probability -> binary, as torchvision's references/detection/coco_eval.py
@@ -128,7 +129,7 @@ def predict(model: torch.nn.Module, dataset: CachedDetectionDataset, label_to_ca
     results = []
     subset = torch.utils.data.Subset(dataset, indices) if indices is not None else dataset
     loader = DataLoader(subset, batch_size=batch_size, collate_fn=collate, shuffle=False)
-    for images, targets in loader:
+    for images, targets in track(loader, "predict", images=lambda batch: len(batch[0])):
         outputs = model([im.to(device) for im in images])
         for out, t in zip(outputs, targets):
             sy, sx = (float(v) for v in t["scale"])

@@ -86,6 +86,7 @@ class Train(_Section):
     eval_every: int = Field(default=0, ge=0, description='Iterations between COCO evaluations on val (0 = off); the best goes to checkpoints/best.pt.')
     log_every: int = Field(default=1, ge=1, description='Iterations between DVCLive metric rows.')
     cache_url: Optional[str] = Field(default=None, description='Read the augmentation cache from this URL (s3://bucket/cache?endpoint_override=host:port&scheme=http) instead of data/cache.')
+    log_every_s: float = Field(default=30.0, gt=0, description='Seconds between progress log lines (iteration/total, epoch, loss, lr, images/s, ETA) when stderr is not a terminal; a terminal gets a tqdm bar.')
 
     @field_validator("amp", mode="before")
     @classmethod

@@ -15,7 +15,7 @@ from conftest import run_stage, write_params
 from detpipe.errors import StageError
 from detpipe.data import CachedDetectionDataset, collate
 from detpipe.models import build_from_config, load_weights, model_config
-from stages.train import model_kwargs
+from detpipe.trainer import model_kwargs
 
 
 @pytest.mark.slow

@@ -8,9 +8,11 @@ import pytest
 import torch
 
 from detpipe.errors import StageError
-from detpipe.hooks import lr_factor, rng_state, set_rng_state
+from detpipe.checkpoints import rng_state, set_rng_state
+from detpipe.hooks import lr_factor
 from detpipe.params import Train
-from stages.train import launch_args, model_kwargs
+from detpipe.trainer import model_kwargs
+from stages.train import launch_args
 
 
 def test_lr_warmup_then_cosine():
