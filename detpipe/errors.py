@@ -59,11 +59,16 @@ def run_stage(main: Callable[[], None], stage: str | None = None) -> None:
     on stderr and exit status 2, and SIGTERM/SIGINT into one line ``error: interrupted by SIGTERM ...`` and exit
     status 128 + signal (no traceback). Other exceptions propagate (bugs).
 
-    ``stage`` defaults to the last part of ``main``'s module (``stages.convert`` -> ``convert``). In a torchrun
+    ``stage`` defaults to the last part of ``main``'s module name (``python -m stages.convert`` -> ``convert``). In a torchrun
     worker (``LOCAL_RANK`` set) only rank 0 reports an interrupt; when the launcher is a `run_stage` too, rank 0
     hands its message to the launcher, which prints it, so the user sees one line.
     """
-    stage = stage or main.__module__.rpartition(".")[2]
+    if stage is None:
+        module = main.__module__
+        if module == "__main__":  # python -m stages.X: the module's real name is in its spec
+            spec = getattr(sys.modules["__main__"], "__spec__", None)
+            module = spec.name if spec else Path(sys.argv[0]).stem
+        stage = module.rpartition(".")[2]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         stream=sys.stderr)
     for s in (signal.SIGTERM, signal.SIGINT):
