@@ -38,7 +38,18 @@ class Interrupted(BaseException):
         return f"interrupted by {signal.Signals(self.signum).name} {self.detail or f'in stage {stage}'}"
 
 
+_received: int | None = None
+
+
+def received_signal() -> int | None:
+    """The SIGTERM/SIGINT `run_stage` received in this process, or None. An error that follows one (e.g. a DDP
+    collective failing because another rank already stopped) is part of the interrupt, not a bug."""
+    return _received
+
+
 def _raise_interrupted(signum, frame) -> None:
+    global _received
+    _received = signum
     raise Interrupted(signum)
 
 
@@ -84,12 +95,12 @@ def run_stage(main: Callable[[], None], stage: str | None = None) -> None:
     except StageError as e:
         _exit(_read_note(note) or (2, f"error: {e}"))  # a worker's interrupt explains its failure
     except BaseException as e:
-        signum = _signal_of(e)
+        signum = _signal_of(e) or _received
         if signum is None:
             raise
         for s in (signal.SIGTERM, signal.SIGINT):  # a second signal must not interrupt the report
             signal.signal(s, signal.SIG_IGN)
-        line = "error: " + (e.message(stage) if isinstance(e, Interrupted) else Interrupted(signum).message(stage))
+        line = "error: " + (e if isinstance(e, Interrupted) else Interrupted(signum)).message(stage)
         if not worker:
             _exit(_read_note(note) or (128 + signum, line))
         if os.environ.get("RANK", "0") == "0":

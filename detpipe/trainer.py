@@ -31,7 +31,7 @@ from detpipe.data import (CachedDetectionDataset, ResumableDistributedSampler, c
                           read_meta, uses_masks)
 from detpipe.distributed import die_with_parent, setup_distributed
 from detpipe.engine import HookBase, TrainerBase
-from detpipe.errors import Interrupted, StageError
+from detpipe.errors import Interrupted, StageError, received_signal
 from detpipe.hooks import CheckpointHook, EMAHook, EvalHook, LRScheduleHook, MetricsHook, ProgressHook
 from detpipe.io import join_url, read_url_bytes
 from detpipe.models import build_from_config, load_weights, model_config
@@ -308,11 +308,16 @@ def train(cfg: params_mod.Train, cache_dir: Path = CACHE_DIR, arrow_meta: Path =
              trainer.device, len(trainer.dataset), trainer.iters_per_epoch, start_iter, max_iter)
     try:
         trainer.train(start_iter, max_iter)
-    except Interrupted as e:
+    except BaseException as e:
+        if received_signal() is None:
+            raise
         ckpts = list_checkpoints(ckpt_dir)
-        e.detail = f"at iteration {trainer.iter}; " + (f"checkpoint {ckpts[-1].name} kept" if ckpts else
-                                                        "no checkpoint yet")
-        raise
+        detail = f"at iteration {trainer.iter}; " + (f"checkpoint {ckpts[-1].name} kept" if ckpts else
+                                                      "no checkpoint yet")
+        if isinstance(e, Interrupted):
+            e.detail = detail
+            raise
+        raise Interrupted(received_signal(), detail) from e  # e.g. a collective failed: another rank had stopped
     check_ranks_agree(model, trainer.distributed, rank, trainer.world_size)
     if rank == 0:
         weights = ema.weights() if ema else model.state_dict()

@@ -12,6 +12,11 @@ sampler's position in its epoch) and every rank's RNG states, plus a fingerprint
 that produced it: ``train.resume: auto`` resumes from the newest checkpoint with the same fingerprint and
 otherwise starts fresh, saying why; ``never`` always starts fresh; ``must`` stops with an error when there
 is nothing to resume.
+
+The work itself is `detpipe.trainer.train`. Without a terminal, a progress line (iteration/total, epoch, loss, lr,
+images/s, ETA) is logged every ``train.log_every_s`` seconds. SIGTERM or SIGINT stops training with one line
+``error: interrupted by SIGTERM at iteration N; checkpoint ckpt-NNNNNNN.pt kept`` and exit status 128 + signal;
+that checkpoint is complete (written atomically) and the next run resumes from it.
 """
 from __future__ import annotations
 
