@@ -1,24 +1,128 @@
-"""Errors a user sees: one line naming the file, the record and the rule broken; exit status 2."""
+"""Errors a user sees: one line naming the file, the record and the rule broken (exit status 2), or naming the
+signal that interrupted the stage (exit status 128 + signal number, the shell's convention)."""
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import sys
+import tempfile
+from pathlib import Path
 from typing import Callable
 
 log = logging.getLogger("stages")
+
+# Set by a launching `run_stage` for its torchrun workers: where rank 0 leaves its interrupt message, so that the
+# launcher prints it as the one line (workers and launcher all receive the signal).
+_NOTE_ENV = "DETPIPE_INTERRUPT_NOTE"
 
 
 class StageError(Exception):
     """Bad input or a failed check. The message is one line naming the file/record and the rule broken."""
 
 
-def run_stage(main: Callable[[], None]) -> None:
-    """Run a stage's ``main`` as a program: configure logging, turn `StageError` into a one-line
-    ``error: ...`` on stderr and exit status 2 (no traceback). Other exceptions propagate (bugs)."""
+class Interrupted(BaseException):
+    """SIGTERM or SIGINT arrived (raised by `run_stage`'s handler). A ``BaseException`` like
+    ``KeyboardInterrupt``, so ``except Exception`` blocks do not swallow it; ``finally`` blocks and context
+    managers still clean up (atomic outputs are then left as they were).
+
+    ``detail`` says where the stage stopped (e.g. ``at iteration 12; checkpoint ckpt-0000010.pt kept``); code
+    that knows sets it and re-raises."""
+
+    def __init__(self, signum: int, detail: str = ""):
+        super().__init__(signum)
+        self.signum, self.detail = signum, detail
+
+    def message(self, stage: str) -> str:
+        """``interrupted by SIGTERM <detail or "in stage <stage>">``."""
+        return f"interrupted by {signal.Signals(self.signum).name} {self.detail or f'in stage {stage}'}"
+
+
+_received: int | None = None
+
+
+def received_signal() -> int | None:
+    """The SIGTERM/SIGINT `run_stage` received in this process, or None. An error that follows one (e.g. a DDP
+    collective failing because another rank already stopped) is part of the interrupt, not a bug."""
+    return _received
+
+
+def _raise_interrupted(signum, frame) -> None:
+    global _received
+    _received = signum
+    raise Interrupted(signum)
+
+
+def _signal_of(e: BaseException) -> int | None:
+    """The signal number of an interrupt: ours, Ctrl-C's, or torchrun's ``SignalException`` (its agent
+    installs its own handlers while workers run; it stops them with the same signal, then raises)."""
+    if isinstance(e, Interrupted):
+        return e.signum
+    if isinstance(e, KeyboardInterrupt):
+        return signal.SIGINT
+    if type(e).__name__ == "SignalException" and hasattr(e, "sigval"):
+        return int(e.sigval)
+    return None
+
+
+def run_stage(main: Callable[[], None], stage: str | None = None) -> None:
+    """Run a stage's ``main`` as a program: configure logging, turn `StageError` into a one-line ``error: ...``
+    on stderr and exit status 2, and SIGTERM/SIGINT into one line ``error: interrupted by SIGTERM ...`` and exit
+    status 128 + signal (no traceback). Other exceptions propagate (bugs).
+
+    ``stage`` defaults to the last part of ``main``'s module name (``python -m stages.convert`` -> ``convert``). In a torchrun
+    worker (``LOCAL_RANK`` set) only rank 0 reports an interrupt; when the launcher is a `run_stage` too, rank 0
+    hands its message to the launcher, which prints it, so the user sees one line.
+    """
+    if stage is None:
+        module = main.__module__
+        if module == "__main__":  # python -m stages.X: the module's real name is in its spec
+            spec = getattr(sys.modules["__main__"], "__spec__", None)
+            module = spec.name if spec else Path(sys.argv[0]).stem
+        stage = module.rpartition(".")[2]
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         stream=sys.stderr)
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, _raise_interrupted)
+    worker = "LOCAL_RANK" in os.environ
+    note = None
+    if not worker:
+        note = Path(tempfile.gettempdir()) / f"detpipe-interrupt-{os.getpid()}"
+        note.unlink(missing_ok=True)
+        os.environ[_NOTE_ENV] = str(note)
     try:
         main()
     except StageError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        _exit(_read_note(note) or (2, f"error: {e}"))  # a worker's interrupt explains its failure
+    except BaseException as e:
+        signum = _signal_of(e) or _received
+        if signum is None:
+            raise
+        for s in (signal.SIGTERM, signal.SIGINT):  # a second signal must not interrupt the report
+            signal.signal(s, signal.SIG_IGN)
+        line = "error: " + (e if isinstance(e, Interrupted) else Interrupted(signum)).message(stage)
+        if not worker:
+            _exit(_read_note(note) or (128 + signum, line))
+        if os.environ.get("RANK", "0") == "0":
+            if _NOTE_ENV in os.environ:
+                Path(os.environ[_NOTE_ENV]).write_text(f"{128 + signum}\t{line}")
+            else:
+                print(line, file=sys.stderr, flush=True)
+        sys.exit(128 + signum)
+    finally:
+        if note is not None:
+            note.unlink(missing_ok=True)
+
+
+def _read_note(note: Path | None) -> tuple[int, str] | None:
+    """``(exit status, line)`` left by a worker's `run_stage` in ``note``, or None."""
+    try:
+        status, line = note.read_text().split("\t", 1)
+        return int(status), line
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def _exit(status_line: tuple[int, str]) -> None:
+    print(status_line[1], file=sys.stderr, flush=True)
+    sys.exit(status_line[0])

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader
 
 from detpipe.cocoeval import pr_curve_rows
 from detpipe.data import CachedDetectionDataset, collate
+from detpipe.progress import track
 from detpipe.errors import StageError
 from detpipe.imageio import decode_rgb
 from detpipe.io import atomic_dir, atomic_write_bytes, atomic_write_json
@@ -131,7 +132,7 @@ def predict(model: torch.nn.Module, dataset: CachedDetectionDataset, label_to_ca
     results = []
     subset = torch.utils.data.Subset(dataset, indices) if indices is not None else dataset
     loader = DataLoader(subset, batch_size=batch_size, collate_fn=collate, shuffle=False)
-    for images, targets in loader:
+    for images, targets in track(loader, "predict", images=lambda batch: len(batch[0])):
         outputs = model([im.to(device) for im in images])
         for out, t in zip(outputs, targets):
             sy, sx = (float(v) for v in t["scale"])

@@ -1,85 +1,24 @@
-"""Training loop skeleton and hooks, in the style of detectron2's ``engine/train_loop.py`` and ``hooks.py``.
+"""The training hooks (see `detpipe.engine.HookBase` for when each method runs and what a hook may do).
 
-The loop (`TrainerBase.train`) is short: ``before_train``; per iteration ``before_step``, ``run_step``,
-``after_step``; ``after_train``. Every cross-cutting concern is a `HookBase` whose ``state_dict`` goes into
-the checkpoint, so a resumed run continues exactly where the interrupted one stopped.
+Values travel through ``trainer.storage`` only: `LRScheduleHook` puts ``lr``, `EvalHook` puts ``val/<stat>``,
+the trainer's ``run_step`` puts the losses and timings; `MetricsHook` writes the storage's kept rows to DVCLive,
+`ProgressHook` shows the latest values, `CheckpointHook` saves everything once an iteration is complete (at the
+next ``before_step``, or ``after_train`` for the last), so no hook depends on another's position in the list.
 """
 from __future__ import annotations
 
 import logging
 import math
-import os
-import random
-import re
-import time
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
-from detpipe.errors import StageError
+from detpipe.checkpoints import checkpoint_path, list_checkpoints, save_atomic
+from detpipe.engine import HookBase
+from detpipe.progress import Progress
 
 log = logging.getLogger("detpipe.hooks")
-
-
-class HookBase:
-    """A training concern with callbacks around the loop. ``self.trainer`` is set by `register_hooks`."""
-
-    trainer: "TrainerBase"
-
-    def before_train(self) -> None: ...
-    def after_train(self) -> None: ...
-    def before_step(self) -> None: ...
-    def after_step(self) -> None: ...
-
-    def state_dict(self) -> dict:
-        """Plain types and tensors only (checkpoints are read with ``torch.load(weights_only=True)``)."""
-        return {}
-
-    def load_state_dict(self, state: dict) -> None: ...
-
-
-class TrainerBase:
-    """Iteration-based loop over hooks. ``self.iter`` is the index of the current iteration (0-based);
-    after training it equals ``max_iter``. Subclasses implement `run_step` and `state_dict`."""
-
-    def __init__(self) -> None:
-        self.hooks: list[HookBase] = []
-        self.iter = self.start_iter = self.max_iter = 0
-
-    def register_hooks(self, hooks: list[HookBase]) -> None:
-        for h in hooks:
-            h.trainer = self
-        self.hooks.extend(hooks)
-
-    def train(self, start_iter: int, max_iter: int) -> None:
-        """Run iterations ``start_iter .. max_iter - 1``; ``after_train`` runs only when all completed."""
-        self.start_iter, self.max_iter = start_iter, max_iter
-        self.iter = start_iter
-        for h in self.hooks:
-            h.before_train()
-        while self.iter < max_iter:
-            for h in self.hooks:
-                h.before_step()
-            self.run_step()
-            for h in self.hooks:
-                h.after_step()
-            self.iter += 1
-        for h in self.hooks:
-            h.after_train()
-
-    def run_step(self) -> None:
-        raise NotImplementedError
-
-    def hooks_state(self) -> dict:
-        return {type(h).__name__: h.state_dict() for h in self.hooks}
-
-    def load_hooks_state(self, state: dict) -> None:
-        for h in self.hooks:
-            if type(h).__name__ in state:
-                h.load_state_dict(state[type(h).__name__])
 
 
 def lr_factor(it: int, max_iter: int, warmup_iters: int, schedule: str = "cosine",
@@ -104,7 +43,8 @@ def lr_factor(it: int, max_iter: int, warmup_iters: int, schedule: str = "cosine
 
 
 class LRScheduleHook(HookBase):
-    """Sets every param group's lr to ``base_lr * lr_factor(iter, ...)`` before each step (per iteration)."""
+    """Sets every param group's lr to ``base_lr * lr_factor(iter, ...)`` before each step (per iteration) and
+    puts it into the storage as ``lr``."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, base_lr: float, warmup_iters: int,
                  schedule: str = "cosine", milestones: tuple[float, ...] = (), gamma: float = 0.1):
@@ -116,7 +56,7 @@ class LRScheduleHook(HookBase):
                                       self.schedule, self.milestones, self.gamma)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
-        self.trainer.metrics["lr"] = lr
+        self.trainer.storage.put_scalar("lr", lr)
 
     def state_dict(self) -> dict:
         return {"base_lr": self.base_lr, "warmup_iters": self.warmup_iters, "schedule": self.schedule}
@@ -149,8 +89,9 @@ class EMAHook(HookBase):
 
 class EvalHook(HookBase):
     """Every ``period`` iterations and at the end, COCO-evaluates the model (its EMA when there is one) on
-    val on rank 0 with ``eval_fn(model) -> {"AP": ..., ...}``; logs the stats as ``val/<name>`` and saves the
-    weights with the best AP@[.5:.95] so far to ``best_path`` (atomically)."""
+    val on rank 0 with ``eval_fn(model) -> {"AP": ..., ...}``; puts the stats into the storage as ``val/<name>``
+    (rows with them are always kept) and saves the weights with the best AP@[.5:.95] so far to ``best_path``
+    (atomically)."""
 
     def __init__(self, period: int, eval_fn, best_path: Path, config: dict, ema: EMAHook | None = None):
         self.period, self.eval_fn, self.best_path, self.config, self.ema = period, eval_fn, Path(best_path), config, ema
@@ -166,10 +107,9 @@ class EvalHook(HookBase):
             model.eval()
             stats = self.eval_fn(model)
             model.train(was_training)
-            self.trainer.eval_metrics = {f"val/{k}": v for k, v in stats.items()}
+            self.trainer.storage.put_scalars(keep=True, **{f"val/{k}": v for k, v in stats.items()})
             if stats["AP"] > self.best_ap:
                 self.best_ap, self.best_iter = float(stats["AP"]), done
-                self.best_path.parent.mkdir(parents=True, exist_ok=True)
                 save_atomic({"model": model.state_dict(), "config": self.config, "iters": done,
                              "AP": self.best_ap}, self.best_path)
                 log.info("iteration %d: AP %.4f, best so far -> %s", done, self.best_ap, self.best_path)
@@ -183,78 +123,31 @@ class EvalHook(HookBase):
         self.best_ap, self.best_iter = float(state["best_ap"]), int(state["best_iter"])
 
 
-def rng_state() -> dict:
-    """This process's RNG states (Python, NumPy, torch CPU, CUDA) as tensors and plain types."""
-    np_state = np.random.get_state()
-    state = {
-        "python": random.getstate(),
-        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    """Inverse of `rng_state`."""
-    v, internal, gauss = state["python"]
-    random.setstate((v, tuple(internal), gauss))
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-_CKPT_RE = re.compile(r"^ckpt-(\d{7})\.pt$")
-
-
-def list_checkpoints(directory: Path) -> list[Path]:
-    """Checkpoint files ``ckpt-NNNNNNN.pt`` in ``directory``, oldest iteration first."""
-    if not directory.is_dir():
-        return []
-    return sorted((p for p in directory.iterdir() if _CKPT_RE.match(p.name)),
-                  key=lambda p: int(_CKPT_RE.match(p.name).group(1)))
-
-
-def save_atomic(obj, path: Path) -> None:
-    """``torch.save`` to a temporary file in the same directory, fsync, then rename over ``path``."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        dfd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 class CheckpointHook(HookBase):
     """Writes ``ckpt-NNNNNNN.pt`` (N = iterations completed) every ``period`` iterations and at the end,
-    atomically, on rank 0, keeping the last ``keep_last``. All ranks' RNG states are gathered into it."""
+    atomically, on rank 0, keeping the last ``keep_last``. All ranks' RNG states are gathered into it.
+
+    A checkpoint after N iterations is written at ``before_step`` of iteration N (or ``after_train`` once all
+    ``max_iter`` completed): every hook has then finished iteration N - 1, whatever the hooks' order."""
 
     def __init__(self, directory: Path, period: int, keep_last: int):
         self.directory, self.period, self.keep_last = Path(directory), period, keep_last
 
-    def after_step(self) -> None:
-        done = self.trainer.iter + 1
-        if done % self.period == 0 or done == self.trainer.max_iter:
-            self.save(done)
+    def before_step(self) -> None:
+        it = self.trainer.iter
+        if it > self.trainer.start_iter and it % self.period == 0:
+            self.save(it)
+
+    def after_train(self) -> None:
+        t = self.trainer
+        if t.iter == t.max_iter and t.iter > t.start_iter:  # completed (not an error or interrupt)
+            self.save(t.iter)
 
     def save(self, done: int) -> None:
         state = self.trainer.checkpoint_state(done)  # collective: every rank must call it
         if self.trainer.rank != 0:
             return
-        self.directory.mkdir(parents=True, exist_ok=True)
-        path = self.directory / f"ckpt-{done:07d}.pt"
+        path = checkpoint_path(self.directory, done)
         save_atomic(state, path)
         for old in list_checkpoints(self.directory)[:-self.keep_last]:
             old.unlink(missing_ok=True)
@@ -262,16 +155,17 @@ class CheckpointHook(HookBase):
 
 
 class MetricsHook(HookBase):
-    """Logs the step's metrics with DVCLive on rank 0 (``dvclive/``: metrics.json, plots/metrics/*.tsv).
+    """Writes the storage's kept rows with DVCLive on rank 0 (``dvclive/``: metrics.json,
+    plots/metrics/*.tsv); names without a ``/`` get a ``train/`` prefix.
 
-    Its state is the history of logged rows, so a resumed run rewrites ``dvclive/`` from the checkpoint's
-    history (dropping rows logged after that checkpoint) and continues: the curves have no gap or duplicate.
-    """
+    The rows live in the storage, which is in the checkpoint: a resumed run rewrites ``dvclive/`` from the
+    checkpoint's rows (dropping rows logged after that checkpoint) and continues, so the curves have no gap or
+    duplicate. Rows are written once complete (next ``before_step``, and ``after_train``)."""
 
-    def __init__(self, directory: str = "dvclive", period: int = 1):
-        self.directory, self.period = directory, period
-        self.history: list[dict] = []
+    def __init__(self, directory: str = "dvclive"):
+        self.directory = directory
         self.live = None
+        self.written = 0
 
     def before_train(self) -> None:
         if self.trainer.rank != 0:
@@ -279,84 +173,49 @@ class MetricsHook(HookBase):
         from dvclive import Live
 
         self.live = Live(self.directory, dvcyaml=None, save_dvc_exp=False, report=None, monitor_system=False)
-        for row in self.history:
-            self._log(row)
+        self.written = 0
+        self._write()
 
-    def _log(self, row: dict) -> None:
-        self.live.step = row["step"]
-        for k, v in row.items():
-            if k != "step":
-                self.live.log_metric(k, v)
-        self.live.next_step()
+    def _write(self) -> None:
+        if self.live is None:
+            return
+        for row in self.trainer.storage.history[self.written:]:
+            self.live.step = row["step"]
+            for k, v in row.items():
+                if k != "step":
+                    self.live.log_metric(k if "/" in k else f"train/{k}", v)
+            self.live.next_step()
+        self.written = len(self.trainer.storage.history)
 
-    def after_step(self) -> None:
-        if self.trainer.rank != 0:
-            return
-        done = self.trainer.iter + 1
-        if done % self.period and done != self.trainer.max_iter and not self.trainer.eval_metrics:
-            return
-        row = {"step": done, **{f"train/{k}": float(v) for k, v in self.trainer.metrics.items()},
-               **{k: float(v) for k, v in self.trainer.eval_metrics.items()}}
-        self.trainer.eval_metrics = {}
-        self.history.append(row)
-        self._log(row)
+    def before_step(self) -> None:
+        self._write()
 
     def after_train(self) -> None:
         if self.live is not None:
+            self._write()
             self.live.end()
-
-    def state_dict(self) -> dict:
-        return {"history": self.history}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.history = list(state["history"])
+            self.live = None
 
 
 class ProgressHook(HookBase):
-    """A tqdm progress bar on rank 0 showing loss and images/s."""
+    """Progress on rank 0 (`detpipe.progress.Progress`): a tqdm bar on a TTY, else a log line every ``every_s``
+    seconds with iteration/total, epoch, loss, lr, images/s and ETA. Reads the trainer's ``iters_per_epoch`` and
+    ``images_per_iter``."""
+
+    def __init__(self, every_s: float):
+        self.every_s = every_s
+        self.progress: Progress | None = None
 
     def before_train(self) -> None:
-        self.bar = None
-        if self.trainer.rank == 0:
-            self.bar = tqdm(total=self.trainer.max_iter, initial=self.trainer.start_iter, desc="train",
-                            unit="it", disable=None, mininterval=2.0)
+        t = self.trainer
+        self.progress = Progress(t.max_iter, "train", self.every_s, initial=t.start_iter, enabled=t.rank == 0)
 
     def after_step(self) -> None:
-        if self.bar is not None:
-            m = self.trainer.metrics
-            self.bar.set_postfix(loss=f"{m.get('loss', float('nan')):.3f}",
-                                 img_s=f"{m.get('images_per_s', 0):.1f}", refresh=False)
-            self.bar.update(1)
+        t, s = self.trainer, self.trainer.storage
+        epochs = -(-t.max_iter // t.iters_per_epoch)
+        self.progress.update(1, t.images_per_iter, epoch=f"{t.iter // t.iters_per_epoch + 1}/{epochs}",
+                             loss=s.value("loss"), lr=s.value("lr"))
 
     def after_train(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
-class Timer:
-    """Wall-clock seconds since construction or the last `lap` (``time.perf_counter``)."""
-
-    def __init__(self):
-        self.t = time.perf_counter()
-
-    def lap(self) -> float:
-        now = time.perf_counter()
-        dt, self.t = now - self.t, now
-        return dt
-
-
-def all_reduce_flag(flag: bool, distributed: bool, device: torch.device) -> bool:
-    """True if ``flag`` is true on any rank (so every rank takes the same branch). ``device`` is where the
-    process group's backend wants tensors (CPU for gloo, the local GPU for nccl)."""
-    if not distributed:
-        return flag
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item() > 0)
-
-
-def check_bad_steps(count: int, limit: int, it: int) -> None:
-    """Raise `StageError` once more than ``limit`` steps had a non-finite loss."""
-    if count > limit:
-        raise StageError(f"training: {count} steps with a non-finite loss (last at iteration {it}), more than "
-                         f"train.max_bad_steps={limit}; lower train.lr or check the data")
+        if self.progress is not None:
+            self.progress.close()

@@ -52,15 +52,18 @@ def atomic_dir(target: Path | str) -> Iterator[Path]:
         tmp.rename(target)
 
 
-def atomic_write_bytes(path: Path | str, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temporary file, fsync and rename (never a half-written file)."""
+@contextlib.contextmanager
+def atomic_open(path: Path | str) -> Iterator[Any]:
+    """Yield a binary file opened on a temporary path beside ``path``; on success it is fsynced and renamed over
+    ``path`` (then the directory is fsynced), on any exception removed: never a half-written ``path``.
+    The temporary name is ``.<name>.tmp-*``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
     try:
         os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -68,6 +71,17 @@ def atomic_write_bytes(path: Path | str, data: bytes) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+    dfd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def atomic_write_bytes(path: Path | str, data: bytes) -> None:
+    """Write ``data`` to ``path`` via a temporary file, fsync and rename (never a half-written file)."""
+    with atomic_open(path) as f:
+        f.write(data)
 
 
 def atomic_write_json(path: Path | str, obj) -> None:

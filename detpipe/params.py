@@ -94,6 +94,7 @@ class Train(_Section):
     cache_url: Optional[str] = Field(default=None, description='Read the augmentation cache from this URL (s3://bucket/cache?endpoint_override=host:port&scheme=http) instead of data/cache.')
     cache_local_dir: Optional[str] = Field(default=None, description='cache_url: folder where whole shards are prefetched before use (deleted when consumed); null = a temporary folder.')
     cache_local_bytes: int = Field(default=2_000_000_000, ge=1, description='cache_url: bytes of prefetched shards held in cache_local_dir (about; a shard needed now is fetched even beyond it). 2 x 8 shards or more keeps the loader from waiting.')
+    log_every_s: float = Field(default=30.0, gt=0, description='Seconds between progress log lines (iteration/total, epoch, loss, lr, images/s, ETA) when stderr is not a terminal; a terminal gets a tqdm bar.')
 
     @field_validator("amp", mode="before")
     @classmethod

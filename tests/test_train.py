@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import csv
+import datetime
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -52,10 +54,36 @@ def _copy(src: Path, dst: Path, overrides: dict | None = None) -> Path:
     return dst
 
 
+_PROGRESS = re.compile(r"^(\S+ \S+) detpipe\.progress INFO train: iteration (\d+)/(\d+), epoch \d+/\d+, loss [\d.e+-]+, "
+                       r"lr [\d.e+-]+, [\d.]+ images/s, ETA \d+:\d\d:\d\d$", re.M)
+
+
+def _stamp(text: str) -> float:
+    return datetime.datetime.strptime(text, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+def _sigterm_when(work: Path, stderr_path: Path, ready) -> tuple[int, str]:
+    """Run the train stage in ``work`` (stderr to ``stderr_path``, a file: nobody reads a pipe meanwhile), send
+    SIGTERM once ``ready(stderr so far)`` holds; returns ``(exit status, stderr)``."""
+    with open(stderr_path, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "stages.train"], cwd=work, env=stage_env(),
+                                stdout=subprocess.DEVNULL, stderr=err)
+        deadline = time.time() + 300
+        while not ready(stderr_path.read_text()):
+            assert proc.poll() is None and time.time() < deadline, "training ended before it could be interrupted"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+    return proc.returncode, stderr_path.read_text()
+
+
 @pytest.mark.slow
-def test_kill9_resume_is_bit_identical(cached_workdir, tmp_path):
-    """kill -9 mid-training, then run again: final weights and optimizer state equal an uninterrupted run's."""
-    overrides = {"train": {"epochs": 3, "checkpoint_every": 1, "keep_last": 10}}
+def test_kill9_and_sigterm_resume_is_bit_identical(cached_workdir, tmp_path):
+    """kill -9 mid-training, run again, SIGTERM that run mid-training, run again: final weights and optimizer
+    state equal an uninterrupted run's. The SIGTERM gives one `error:` line naming the iteration and the kept
+    checkpoint, exit status 143, a checkpoint that loads; without a TTY the log has a progress line at least every
+    train.log_every_s seconds (plus one step)."""
+    overrides = {"train": {"epochs": 5, "checkpoint_every": 1, "keep_last": 10, "log_every_s": 1}}
     straight = _copy(cached_workdir, tmp_path / "straight", overrides)
     run_stage("train", straight)
 
@@ -72,8 +100,34 @@ def test_kill9_resume_is_bit_identical(cached_workdir, tmp_path):
     final_iter = int(_ckpts(straight)[-1].name[5:12])
     assert interrupted_at < final_iter, "the kill came too late to test anything"
     time.sleep(1)  # workers die with their launcher (PR_SET_PDEATHSIG)
+
+    # resume, then SIGTERM once two progress lines were logged and a checkpoint past the resumed one exists
+    status, stderr = _sigterm_when(killed, tmp_path / "sigterm.log", lambda text: len(_PROGRESS.findall(text)) >= 2
+                                   and int(_ckpts(killed)[-1].name[5:12]) > interrupted_at)
+    assert "resuming from" in stderr
+    assert status == 128 + signal.SIGTERM, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, stderr[-3000:]
+    m = re.fullmatch(r"error: interrupted by SIGTERM at iteration (\d+); checkpoint (ckpt-(\d{7})\.pt) kept",
+                     errors[0])
+    assert m, errors[0]
+    newest = _ckpts(killed)[-1]
+    assert newest.name == m.group(2) and int(m.group(1)) >= int(m.group(3)) > interrupted_at
+    assert torch.load(newest, weights_only=True)["iter"] == int(m.group(3)) < final_iter
+    assert not list((killed / "checkpoints").glob(".ckpt-*"))  # no half-written file left
+    # progress lines from the start of training on, never more than log_every_s + the slowest step apart
+    start = _stamp(re.search(r"^(\S+ \S+) detpipe\.trainer INFO rank 0/1 .* iterations \d+\.\.", stderr, re.M)[1])
+    lines = _PROGRESS.findall(stderr)
+    assert all(total == str(final_iter) for _, _, total in lines)
+    step_times = [float(r["step_time"]) for r in csv.DictReader(
+        open(killed / "dvclive/plots/metrics/train/step_time.tsv"), delimiter="\t")]
+    stamps = [start] + [_stamp(t) for t, _, _ in lines]
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    assert max(gaps) <= 1 + max(step_times) + 1.0, (gaps, step_times)  # 1 s slack for a loaded machine
+
     resumed = run_stage("train", killed)
-    assert "resuming from" in resumed.stderr
+    assert f"resuming from checkpoints/{m.group(2)}" in resumed.stderr
 
     a = torch.load(_ckpts(straight)[-1], weights_only=True)
     b = torch.load(_ckpts(killed)[-1], weights_only=True)
@@ -133,3 +187,4 @@ def test_local_weights_path(trained_workdir, tmp_path):
     from detpipe.errors import StageError
     with pytest.raises(StageError, match="sha256"):
         load_weights(model, str(path), "0" * 64)
+

@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from conftest import run_stage, write_params
+from detpipe.engine import HookBase
 from detpipe.errors import StageError
 from detpipe.data import CachedDetectionDataset, collate
 from detpipe.models import build_from_config, load_weights, model_config
-from stages.train import model_kwargs
+from detpipe.trainer import model_kwargs
 
 
 @pytest.mark.slow
@@ -40,6 +41,43 @@ def test_amp_accumulate_ema_eval(cached_workdir, tmp_path):
     last = torch.load(sorted((work / "checkpoints").glob("ckpt-*.pt"))[-1], weights_only=True)
     assert any(not torch.equal(model["model"][k], last["model"][k]) for k in model["model"]
                if model["model"][k].is_floating_point())
+
+
+class _Observer(HookBase):
+    """Records, during a real training step, the dtype the first convolution computes in and whether the
+    weights are channels_last."""
+
+    def __init__(self):
+        self.seen = {}
+
+    def before_train(self):
+        conv = next(m for m in self.trainer.module.modules() if isinstance(m, torch.nn.Conv2d))
+        self.handle = conv.register_forward_hook(self._record)
+        self.seen["channels_last"] = conv.weight.is_contiguous(memory_format=torch.channels_last) and \
+            not conv.weight.is_contiguous()
+
+    def _record(self, module, inputs, output) -> None:
+        self.seen.setdefault("dtype", output.dtype)
+
+    def after_train(self):
+        self.handle.remove()
+
+
+@pytest.mark.parametrize("amp, channels_last", [("off", False), ("bf16", True)])
+def test_amp_and_channels_last_reach_the_forward_pass(cached_workdir, tmp_path, amp, channels_last):
+    """AMP changes the dtype the model computes in; channels_last the weights' memory format. The ("off",
+    False) case is the check that fails if either option were ignored: its observations must differ."""
+    from detpipe.params import load
+    from detpipe.trainer import build_trainer
+
+    cfg = load("train", cached_workdir / "params.yaml").model_copy(update={"amp": amp, "channels_last": channels_last})
+    observer = _Observer()
+    trainer = build_trainer(cfg, cached_workdir / "data/cache", cached_workdir / "data/arrow/meta.json",
+                            tmp_path / "checkpoints", str(tmp_path / "dvclive"), extra_hooks=(observer,))
+    trainer.train(0, 1)
+    assert observer.seen == {"dtype": torch.bfloat16 if amp == "bf16" else torch.float32,
+                             "channels_last": channels_last}
+    assert torch.isfinite(torch.tensor(trainer.storage.value("loss")))
 
 
 @pytest.mark.slow

@@ -8,9 +8,11 @@ import pytest
 import torch
 
 from detpipe.errors import StageError
-from detpipe.hooks import lr_factor, rng_state, set_rng_state
+from detpipe.checkpoints import rng_state, set_rng_state
+from detpipe.hooks import lr_factor
 from detpipe.params import Train
-from stages.train import launch_args, model_kwargs
+from detpipe.trainer import model_kwargs
+from stages.train import launch_args
 
 
 def test_lr_warmup_then_cosine():
@@ -64,3 +66,87 @@ def test_amp_off_survives_yaml_rewrites(tmp_path):
     shutil.copy("params.yaml", p)
     p.write_text(p.read_text().replace('amp: "off"', "amp: off"))
     assert load("train", p).amp == "off"
+
+
+def test_event_storage_rows_and_state():
+    from detpipe.engine import EventStorage
+
+    s = EventStorage(keep_every=3)
+    for it in range(7):
+        s.put_scalar("loss", 10 - it)
+        if it == 4:
+            s.put_scalar("val/AP", 0.5, keep=True)  # kept whatever keep_every says
+        s.step(last=it == 6)
+    assert [r["step"] for r in s.history] == [3, 5, 6, 7]
+    assert s.history[1] == {"step": 5, "loss": 6.0, "val/AP": 0.5}
+    assert s.latest() == {"loss": (4.0, 6), "val/AP": (0.5, 4)} and s.iter == 7
+    t = EventStorage(keep_every=3)
+    t.load_state_dict(s.state_dict())
+    assert t.history == s.history and t.latest() == s.latest()
+
+
+
+def _recording_trainer(fail_at: int | None):
+    import gc
+    import weakref
+
+    from detpipe.engine import HookBase, TrainerBase
+
+    calls = []
+
+    class Trainer(TrainerBase):
+        def run_step(self):
+            if self.iter == fail_at:
+                raise RuntimeError("step failed")
+            self.storage.put_scalar("loss", float(self.iter))
+
+    class Reader(HookBase):  # registered first: reads what Writer puts, one iteration later
+        def before_step(self):
+            calls.append(("before_step", self.trainer.iter, self.trainer.storage.value("from_writer", -1.0)))
+
+        def after_train(self):
+            calls.append(("after_train", self.trainer.iter))
+
+    class Writer(HookBase):
+        def after_step(self):
+            self.trainer.storage.put_scalar("from_writer", self.trainer.iter * 10)
+
+    t = Trainer()
+    t.register_hooks([Reader(), Writer()])
+    ref = weakref.ref(t)
+    return t, calls, ref, gc
+
+
+def test_after_train_runs_when_a_step_raises_and_hooks_hold_weak_references():
+    t, calls, ref, gc = _recording_trainer(fail_at=2)
+    with pytest.raises(RuntimeError, match="step failed"):
+        t.train(0, 5)
+    assert calls[-1] == ("after_train", 2)  # in `finally`
+    # values travel through the storage: the reader sees the writer's value of the previous iteration
+    assert calls[:3] == [("before_step", 0, -1.0), ("before_step", 1, 0.0), ("before_step", 2, 10.0)]
+    hooks = t.hooks
+    del t
+    gc.collect()
+    assert ref() is None  # hooks do not keep the trainer alive (weakref.proxy)
+    with pytest.raises(ReferenceError):
+        hooks[0].trainer.iter
+
+
+def test_progress_lines_without_a_tty(caplog):
+    import logging
+    import re
+    import time
+
+    from detpipe.progress import Progress
+
+    p = Progress(4, "train", every_s=1.0, initial=1, tty=False)
+    with caplog.at_level(logging.INFO, logger="detpipe.progress"):
+        p.update(1, images=8, epoch="1/2", loss=1.23456, lr=0.01)  # too soon after the start: no line
+        time.sleep(1.1)
+        p.update(1, images=8, epoch="2/2", loss=0.5, lr=0.005)
+        p.update(1, images=8, epoch="2/2", loss=0.25, lr=0.001)  # the last one always logs
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2
+    assert re.fullmatch(r"train: iteration 3/4, epoch 2/2, loss 0\.5, lr 0\.005, [\d.]+ images/s, ETA 0:00:0\d",
+                        lines[0]), lines[0]
+    assert lines[1].startswith("train: iteration 4/4, epoch 2/2, loss 0.25, lr 0.001, ") and "ETA" not in lines[1]

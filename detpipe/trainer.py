@@ -1,0 +1,389 @@
+"""The detection trainer: a torchvision detector trained with DDP from the augmentation cache, resumable at any
+point (the train stage's work; `stages.train` launches it).
+
+`build_trainer` sets up the process (distributed group, threads, seeds), builds the model (`build_detector`),
+optimizer, data and hooks; `train` resumes from a matching checkpoint, runs the loop and writes
+``models/model.pt``. A checkpoint holds model, optimizer, grad scaler, the event storage (metric rows), every
+hook's state, the iteration (hence the sampler's position in its epoch) and every rank's RNG states, plus a
+`fingerprint` of the params and data that produced it.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import json
+import logging
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from detpipe import params as params_mod
+from detpipe.checkpoints import FORMAT, find_resume_state, list_checkpoints, rng_state, save_atomic, set_rng_state
+from detpipe.data import (CachedDetectionDataset, ResumableDistributedSampler, check_cache_masks, micro_batches,
+                          read_meta, uses_masks)
+from detpipe.distributed import die_with_parent, setup_distributed
+from detpipe.engine import HookBase, TrainerBase
+from detpipe.errors import Interrupted, StageError, received_signal
+from detpipe.hooks import CheckpointHook, EMAHook, EvalHook, LRScheduleHook, MetricsHook, ProgressHook
+from detpipe.io import join_url, read_url_bytes
+from detpipe.models import build_from_config, load_weights, model_config
+from detpipe.paths import ARROW_META, CACHE_DIR, CKPT_DIR, LIVE_DIR, MODEL as MODEL_OUT
+
+log = logging.getLogger("detpipe.trainer")
+
+
+# Params that do not change the result of training: a checkpoint made with other values resumes.
+_NOT_IN_FINGERPRINT = {"resume", "keep_last", "checkpoint_every", "num_workers", "threads", "node_rank",
+                       "rdzv_endpoint", "log_every", "eval_every", "log_every_s", "cache_url",
+                       "cache_local_dir", "cache_local_bytes"}
+
+
+def fingerprint(cfg: params_mod.Train, cache_meta: bytes, arrow_meta: bytes) -> str:
+    """sha256 over the training params that affect the result and the data's meta files (hex)."""
+    relevant = {k: v for k, v in cfg.model_dump().items() if k not in _NOT_IN_FINGERPRINT}
+    h = hashlib.sha256(json.dumps(relevant, sort_keys=True).encode())
+    h.update(cache_meta)
+    h.update(arrow_meta)
+    return h.hexdigest()
+
+
+class Trainer(TrainerBase):
+    """Plain SGD detection trainer over `CachedDetectionDataset` (see `detpipe.engine.TrainerBase` for the loop).
+
+    Everything is given to the constructor (`build_trainer` builds it): ``model`` (on ``device``, wrapped in DDP
+    here when ``world_size > 1`` and compiled when ``cfg.compile``), ``optimizer``, ``dataset``, ``config``
+    (`model_config`'s dict), the data's `fingerprint`, and ``hooks`` (registered in this order).
+    ``max_iter`` is ``cfg.epochs`` times the iterations per epoch; ``ema`` the `EMAHook` among ``hooks`` or None.
+    ``run_step`` puts ``loss``, each loss term, ``data_time``, ``step_time`` (seconds), ``images_per_s``,
+    ``bad_steps`` and ``memory_mb`` into ``storage``.
+    Raises:
+        StageError: fewer images than one step per rank.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, dataset: CachedDetectionDataset,
+                 cfg: params_mod.Train, device: torch.device, rank: int, world_size: int, *, config: dict,
+                 fingerprint: str, hooks: list[HookBase]):
+        super().__init__(keep_every=cfg.log_every)
+        self.cfg, self.device, self.rank, self.world_size = cfg, device, rank, world_size
+        self.distributed = world_size > 1
+        self.module, self.config, self.fingerprint = model, config, fingerprint
+        # gradient_as_bucket_view: gradients live in the all-reduce buckets (no copy in and out per step)
+        ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                      gradient_as_bucket_view=True) if self.distributed else model
+        self.model = torch.compile(ddp) if cfg.compile else ddp
+        self.optimizer = optimizer
+        self.dataset = dataset
+        self.sampler = ResumableDistributedSampler(len(dataset), world_size, rank, seed=cfg.seed,
+                                                   shards=dataset.sample_shards())
+        self.iters_per_epoch = self.sampler.num_samples // (cfg.batch_size * cfg.accumulate)
+        if self.iters_per_epoch == 0:
+            raise StageError(f"{CACHE_DIR}/train: {len(dataset)} images is fewer than one step per rank "
+                             f"(train.batch_size={cfg.batch_size} x accumulate {cfg.accumulate} x world size "
+                             f"{world_size})")
+        self.max_iter = cfg.epochs * self.iters_per_epoch
+        self.images_per_iter = cfg.batch_size * cfg.accumulate * world_size
+        self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.amp)
+        self.scaler = torch.amp.GradScaler(device.type, enabled=cfg.amp == "fp16" and device.type == "cuda")
+        self.bad_steps = 0
+        self._data = None
+        self.ema = next((h for h in hooks if isinstance(h, EMAHook)), None)
+        self.register_hooks(hooks)
+
+    def _forward(self, images, targets) -> tuple[torch.Tensor, dict]:
+        # channels_last applies to the model's weights (set in build_trainer): the model's transform batches these
+        # 3-D images into one 4-D tensor, and its convolutions then run channels-last.
+        images = [im.to(self.device, non_blocking=True) for im in images]
+        targets = [{k: t[k].to(self.device) for k in ("boxes", "labels", "masks") if k in t} for t in targets]
+        with torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32,
+                            enabled=self.amp_dtype is not None):
+            loss_dict = self.model(images, targets)
+        return sum(loss_dict.values()), loss_dict
+
+    def run_step(self) -> None:
+        """One optimizer step over ``train.accumulate`` micro-batches (DDP syncs gradients on the last one).
+        A non-finite loss on any rank skips the step on every rank and is counted."""
+        t0 = time.perf_counter()
+        if self._data is None:
+            self._data = micro_batches(self.dataset, self.sampler, self.iter, self.iters_per_epoch,
+                                       self.cfg.batch_size, self.cfg.accumulate, self.cfg.num_workers,
+                                       pin_memory=self.device.type == "cuda", local_dir=self.cfg.cache_local_dir,
+                                       local_bytes=self.cfg.cache_local_bytes, decode_device=self.device)
+        micro = next(self._data)
+        data_time = time.perf_counter() - t0
+        self.optimizer.zero_grad(set_to_none=True)
+        total, terms, bad = 0.0, {}, False
+        for k, (images, targets) in enumerate(micro):
+            last = k == len(micro) - 1
+            sync = contextlib.nullcontext() if last or not self.distributed else self.model.no_sync()
+            with sync:
+                loss, loss_dict = self._forward(images, targets)
+                bad = bad or not bool(torch.isfinite(loss))
+                if not bad:
+                    self.scaler.scale(loss / len(micro)).backward()
+            total += float(loss.detach()) / len(micro)
+            for name, v in loss_dict.items():
+                terms[name] = terms.get(name, 0.0) + float(v.detach()) / len(micro)
+        if all_reduce_flag(bad, self.distributed, self.device):
+            self.optimizer.zero_grad(set_to_none=True)
+            self.bad_steps += 1
+            log.warning("iteration %d: non-finite loss %s, step skipped (%d so far)", self.iter, terms,
+                        self.bad_steps)
+            check_bad_steps(self.bad_steps, self.cfg.max_bad_steps, self.iter)
+            self.storage.put_scalar("bad_steps", self.bad_steps)
+            return
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        step_time = time.perf_counter() - t0
+        self.storage.put_scalars(loss=total, **terms, data_time=data_time, step_time=step_time,
+                                 images_per_s=self.images_per_iter / step_time, bad_steps=self.bad_steps,
+                                 memory_mb=memory_mb(self.device))
+
+    def checkpoint_state(self, done: int) -> dict:
+        """Everything needed to continue after ``done`` completed iterations (collective across ranks)."""
+        rngs = [rng_state()]
+        if self.distributed:
+            rngs = [None] * self.world_size
+            dist.all_gather_object(rngs, rng_state())
+        epoch, pos = divmod(done, self.iters_per_epoch)
+        at_next = copy.copy(self.sampler)  # the live sampler is being iterated: leave it alone
+        at_next.set_epoch(epoch, pos * self.cfg.batch_size * self.cfg.accumulate)
+        sampler_state = at_next.state_dict(consumed=0)  # where the next iteration starts reading
+        return {"format": FORMAT, "iter": done, "fingerprint": self.fingerprint, "world_size": self.world_size,
+                "sampler": sampler_state,
+                "model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scaler": self.scaler.state_dict(), "storage": self.storage.state_dict(),
+                "hooks": self.hooks_state(), "trainer": {"bad_steps": self.bad_steps}, "rng": rngs}
+
+    def load_checkpoint_state(self, state: dict) -> None:
+        """Restore what `checkpoint_state` saved (this rank's RNG states).
+        Raises `StageError` when the checkpoint's sampler does not match this run's."""
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scaler.load_state_dict(state["scaler"])
+        self.storage.load_state_dict(state["storage"])
+        self.load_hooks_state(state["hooks"])
+        self.bad_steps = int(state["trainer"]["bad_steps"])
+        set_rng_state(state["rng"][self.rank])
+        try:  # the sampler must be the one that produced the checkpoint; its position follows from "iter"
+            self.sampler.load_state_dict(state["sampler"])
+        except ValueError as e:
+            raise StageError(f"checkpoint at iteration {state['iter']}: sampler does not match this run ({e})") from None
+
+
+def memory_mb(device: torch.device) -> float:
+    """Peak memory in MiB: CUDA allocator peak on GPU, else this process's peak RSS (``ru_maxrss``)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def weights_digest(model: torch.nn.Module) -> str:
+    """sha256 (hex, 16 chars) over every parameter, in name order (CPU bytes).
+
+    Buffers are left out on purpose: DDP broadcasts them from rank 0 at the start of each forward, so after
+    the last forward each rank's BatchNorm running statistics are its own (rank 0's are the ones saved)."""
+    h = hashlib.sha256()
+    for k, v in model.named_parameters():
+        h.update(k.encode())
+        h.update(v.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def model_kwargs(name: str, cache_meta: dict) -> dict:
+    """Builder kwargs so the model's own transform keeps the cached size (no second resize).
+
+    SSD/SSDlite resize to a fixed size set by the builder: the cache must be ``fixed`` at that size.
+    The others (R-CNN, RetinaNet, FCOS) get ``min_size``/``max_size`` from the cache's resize settings.
+    Raises:
+        StageError: an SSD model with a cache of another size or mode.
+    """
+    if name.startswith("ssd"):
+        native = 320 if name.startswith("ssdlite320") else 300 if name.startswith("ssd300") else None
+        if cache_meta["resize"] != "fixed" or (native and cache_meta["size"] != native):
+            raise StageError(f"params.yaml: {name} resizes images to {native}x{native}; set augment.resize: fixed "
+                             f"and augment.size: {native} (cache has {cache_meta['resize']} {cache_meta['size']})")
+        return {}
+    if cache_meta["resize"] == "fixed":
+        return {"min_size": cache_meta["size"], "max_size": cache_meta["size"]}
+    return {"min_size": cache_meta["min_size"], "max_size": cache_meta["max_size"]}
+
+
+def build_detector(cfg: params_mod.Train, arrow_meta: Path = ARROW_META,
+                   cache_dir: Path = CACHE_DIR) -> tuple[torch.nn.Module, dict, bytes]:
+    """The untrained model ``cfg.model`` sized for the cache (`model_kwargs`), with the cache's masks checked
+    for a mask model. Returns ``(model, config, cache meta.json bytes)``; the cache is ``cfg.cache_url`` or
+    ``cache_dir``.
+    Raises:
+        StageError: missing inputs, unknown model, a mask model on a cache without masks.
+    """
+    meta = read_meta(arrow_meta)
+    cache_root = cfg.cache_url or str(cache_dir)
+    cache_meta_bytes = read_cache_meta_bytes(cache_root)
+    cache_meta = json.loads(cache_meta_bytes)
+    config = model_config(cfg.model, int(meta["num_classes"]), **model_kwargs(cfg.model, cache_meta))
+    model = build_from_config(config)
+    if uses_masks(model):  # Mask R-CNN: targets carry the cached instance masks
+        check_cache_masks(cache_meta, cfg.model, f"{cache_root.split('?')[0]}/meta.json")
+    return model, config, cache_meta_bytes
+
+
+def build_trainer(cfg: params_mod.Train, cache_dir: Path = CACHE_DIR, arrow_meta: Path = ARROW_META,
+                  ckpt_dir: Path = CKPT_DIR, live_dir: str = LIVE_DIR, extra_hooks: tuple[HookBase, ...] = ()) -> Trainer:
+    """Set up this process (distributed group, threads, seeds) and build the `Trainer` with its hooks (LR
+    schedule, EMA, evaluation, metrics, checkpoints, progress, then ``extra_hooks``).
+    Raises:
+        StageError: missing inputs, unknown model, unusable weights.
+    """
+    rank, world, local_rank, device = setup_distributed()
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // local_world))
+    random.seed(cfg.seed + rank)
+    np.random.seed(cfg.seed + rank)
+    torch.manual_seed(cfg.seed + rank)
+
+    if cfg.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+
+    cache_root = cfg.cache_url or str(cache_dir)
+    model, config, cache_meta_bytes = build_detector(cfg, arrow_meta, cache_dir)
+    if cfg.weights:
+        load_weights(model, cfg.weights, cfg.weights_sha256)
+    model.to(device).train()
+    if cfg.channels_last:
+        model.to(memory_format=torch.channels_last)
+    lr = cfg.lr
+    if cfg.base_batch_size:  # linear scaling rule (Goyal et al. 2017, arXiv:1706.02677)
+        lr = cfg.lr * cfg.batch_size * world * cfg.accumulate / cfg.base_batch_size
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    dataset = CachedDetectionDataset(cache_root, "train", hflip=cfg.hflip, seed=cfg.seed,
+                                     with_masks=uses_masks(model))
+    ema = EMAHook(model, cfg.ema_decay) if cfg.ema else None
+    hooks = [LRScheduleHook(optimizer, lr, cfg.warmup_iters, cfg.schedule, cfg.milestones, cfg.gamma)]
+    hooks += [ema] if ema else []
+    if cfg.eval_every:
+        hooks.append(EvalHook(cfg.eval_every, make_eval_fn(cache_root, Path(arrow_meta)),
+                              Path(ckpt_dir) / "best.pt", config, ema))
+    hooks += [MetricsHook(live_dir), CheckpointHook(ckpt_dir, cfg.checkpoint_every, cfg.keep_last),
+              ProgressHook(cfg.log_every_s), *extra_hooks]
+    fp = fingerprint(cfg, cache_meta_bytes, Path(arrow_meta).read_bytes())
+    return Trainer(model, optimizer, dataset, cfg, device, rank, world, config=config, fingerprint=fp, hooks=hooks)
+
+
+def train(cfg: params_mod.Train, cache_dir: Path = CACHE_DIR, arrow_meta: Path = ARROW_META,
+          ckpt_dir: Path = CKPT_DIR, model_out: Path = MODEL_OUT, live_dir: str = LIVE_DIR) -> Trainer:
+    """Train per ``cfg`` (one process of a torchrun job, or a single process), resuming from a matching
+    checkpoint per ``train.resume``, and write ``model_out`` (rank 0).
+
+    Raises:
+        StageError: missing inputs, unknown model, unusable weights, too many non-finite steps, ranks whose
+        final weights differ.
+        Interrupted: SIGTERM/SIGINT during training, its ``detail`` naming the iteration and the newest
+        checkpoint (which is complete: checkpoints are written atomically).
+    """
+    if "LOCAL_RANK" in os.environ:
+        die_with_parent()
+    trainer = build_trainer(cfg, cache_dir, arrow_meta, ckpt_dir, live_dir)
+    rank, model, ema, max_iter = trainer.rank, trainer.module, trainer.ema, trainer.max_iter
+    state = find_resume_state(cfg.resume, trainer.fingerprint, ckpt_dir) if rank == 0 else None
+    if trainer.distributed:
+        box = [state]
+        dist.broadcast_object_list(box, src=0)
+        state = box[0]
+    start_iter = 0
+    if state is not None:
+        trainer.load_checkpoint_state(state)
+        start_iter = int(state["iter"])
+    elif rank == 0 and Path(live_dir).exists():
+        shutil.rmtree(live_dir)
+    log.info("rank %d/%d on %s: %d images, %d iterations/epoch, iterations %d..%d", rank, trainer.world_size,
+             trainer.device, len(trainer.dataset), trainer.iters_per_epoch, start_iter, max_iter)
+    try:
+        trainer.train(start_iter, max_iter)
+    except BaseException as e:
+        if received_signal() is None:
+            raise
+        ckpts = list_checkpoints(ckpt_dir)
+        detail = f"at iteration {trainer.iter}; " + (f"checkpoint {ckpts[-1].name} kept" if ckpts else
+                                                      "no checkpoint yet")
+        if isinstance(e, Interrupted):
+            e.detail = detail
+            raise
+        raise Interrupted(received_signal(), detail) from e  # e.g. a collective failed: another rank had stopped
+    check_ranks_agree(model, trainer.distributed, rank, trainer.world_size)
+    if rank == 0:
+        weights = ema.weights() if ema else model.state_dict()
+        save_atomic({"model": weights, "config": trainer.config, "iters": max_iter, "ema": bool(ema),
+                     "fingerprint": trainer.fingerprint, "params": cfg.model_dump()}, Path(model_out))
+        log.info("wrote %s after %d iterations%s", model_out, max_iter, " (EMA weights)" if ema else "")
+    if trainer.distributed:
+        dist.barrier()
+        dist.destroy_process_group()
+    return trainer
+
+
+def check_ranks_agree(model: torch.nn.Module, distributed: bool, rank: int, world: int) -> None:
+    """Log this rank's `weights_digest`; with DDP, fail if any rank's parameters differ from rank 0's.
+    Raises `StageError` naming the ranks that diverged."""
+    digest = weights_digest(model)
+    log.info("rank %d final weights digest %s", rank, digest)
+    if not distributed:
+        return
+    digests = [None] * world
+    dist.all_gather_object(digests, digest)
+    bad = [r for r, d in enumerate(digests) if d != digests[0]]
+    if bad:
+        raise StageError(f"training: final weights of ranks {bad} differ from rank 0's ({digests})")
+
+
+def read_cache_meta_bytes(root: str) -> bytes:
+    """Bytes of ``<root>/meta.json`` for a local cache directory or a URL (``s3://...``).
+    Raises `StageError` naming the location when it cannot be read."""
+    if "://" not in root and not (Path(root) / "meta.json").is_file():
+        raise StageError(f"{Path(root) / 'meta.json'}: not found (run the augment stage first)")
+    return read_url_bytes(join_url(root, "meta.json"), "train.cache_url" if "://" in root else "augment cache")
+
+
+def make_eval_fn(cache_dir: str | Path, arrow_meta: Path):
+    """``eval_fn(model) -> stats`` for `EvalHook`: COCO bbox stats on the val cache (see stages.evaluate)."""
+    from detpipe.cocoeval import coco_evaluate
+    from detpipe.evaluation import gt_from_arrow, label_to_category_id, predict
+
+    meta = read_meta(arrow_meta)
+    gt = gt_from_arrow(Path(arrow_meta).parent / "val", meta)
+    dataset = CachedDetectionDataset(cache_dir, "val")
+    l2c = label_to_category_id(meta)
+
+    def eval_fn(model):  # bbox stats only: a mask model's masks are not encoded here
+        return coco_evaluate(gt, predict(model, dataset, l2c, device=next(model.parameters()).device,
+                                         masks=False)).stats
+
+    return eval_fn
+
+
+def all_reduce_flag(flag: bool, distributed: bool, device: torch.device) -> bool:
+    """True if ``flag`` is true on any rank (so every rank takes the same branch). ``device`` is where the
+    process group's backend wants tensors (CPU for gloo, the local GPU for nccl)."""
+    if not distributed:
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item() > 0)
+
+
+def check_bad_steps(count: int, limit: int, it: int) -> None:
+    """Raise `StageError` once more than ``limit`` steps had a non-finite loss."""
+    if count > limit:
+        raise StageError(f"training: {count} steps with a non-finite loss (last at iteration {it}), more than "
+                         f"train.max_bad_steps={limit}; lower train.lr or check the data")
