@@ -454,18 +454,19 @@ def read_meta(path: str | Path) -> dict:
 
 def micro_batches(dataset: CachedDetectionDataset, sampler: ResumableDistributedSampler, start_iter: int,
                   iters_per_epoch: int, batch_size: int, accumulate: int, num_workers: int = 0,
-                  pin_memory: bool = False) -> Iterator[list[tuple[list[torch.Tensor], list[dict]]]]:
+                  pin_memory: bool = False, locate=None) -> Iterator[list[tuple[list[torch.Tensor], list[dict]]]]:
     """Endless training input from iteration ``start_iter`` on: each item is one optimizer step's list of
     ``accumulate`` micro-batches ``(images, targets)`` as `collate` returns them (this rank's share).
 
     Epoch ``e`` covers iterations ``e * iters_per_epoch ..``; the sampler is positioned from ``start_iter``, so
     a resumed run reads exactly what an uninterrupted one would. Incomplete batches at an epoch's end are
-    dropped (``drop_last``).
+    dropped (``drop_last``). ``locate(it) -> (epoch, sampler start)`` replaces that mapping when the world size
+    changed at a restart (`detpipe.elastic.EpochPlan.locate`).
     """
     it = start_iter
     while True:
-        epoch, pos = divmod(it, iters_per_epoch)
-        sampler.set_epoch(epoch, pos * batch_size * accumulate)
+        epoch, start = locate(it) if locate else (it // iters_per_epoch, it % iters_per_epoch * batch_size * accumulate)
+        sampler.set_epoch(epoch, start)
         dataset.set_epoch(epoch)
         loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
                             collate_fn=collate, drop_last=True, pin_memory=pin_memory)

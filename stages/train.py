@@ -1,9 +1,10 @@
 """Train stage: a torchvision detector trained with DDP from the augmentation cache, resumable at any point.
 
 ``python -m stages.train`` (the DVC stage command) checks params and inputs, then launches
-``torchrun --standalone --nproc-per-node ${train.nproc_per_node} -m stages.train``; each worker (detected by
-torchrun's ``LOCAL_RANK`` variable) trains with DDP — gloo on CPU, nccl on CUDA. Running that ``torchrun``
-line yourself works too.
+``torchrun --rdzv-backend c10d ... -m stages.train`` (`detpipe.launch`; under Slurm with ``train.launcher:
+slurm``); each worker (detected by torchrun's ``LOCAL_RANK`` variable) trains with DDP — gloo on CPU, nccl on
+CUDA. ``python -m stages.train --emit slurm|k8s`` writes the Slurm script / Kubernetes manifest instead
+(README "Multi-node").
 
 Outputs: ``checkpoints/ckpt-NNNNNNN.pt`` (kept across runs: ``persist: true`` in dvc.yaml), ``models/model.pt``
 (``{"model": state_dict, "config": {...}}`` for the evaluate and export stages), ``dvclive/`` (training
@@ -31,14 +32,17 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from detpipe import params as params_mod
-from detpipe.io import join_url, read_url_bytes
+from detpipe.io import atomic_write_bytes, join_url, read_url_bytes
 from detpipe.errors import StageError, run_stage
 from detpipe.data import (CachedDetectionDataset, micro_batches, ResumableDistributedSampler, check_cache_masks, read_meta,
                          uses_masks)
 from detpipe.hooks import (CheckpointHook, EMAHook, EvalHook, LRScheduleHook, MetricsHook, ProgressHook, Timer,
                           TrainerBase, all_reduce_flag, check_bad_steps, list_checkpoints, rng_state, save_atomic,
                           set_rng_state)
-from detpipe.distributed import die_with_parent, launch_module, setup_distributed
+from detpipe.distributed import die_with_parent, setup_distributed
+from detpipe.elastic import EpochPlan, record_samples
+from detpipe import k8s, slurm
+from detpipe.launch import LAUNCH_ONLY, default_run_id, launch_env, launch_local, torchrun_args
 from detpipe.paths import ARROW_META, CACHE_DIR, CKPT_DIR, LIVE_DIR, MODEL as MODEL_OUT
 from detpipe.models import build_from_config, load_weights, model_config
 
@@ -46,8 +50,8 @@ log = logging.getLogger("stages.train")
 
 
 # Params that do not change the result of training: a checkpoint made with other values resumes.
-_NOT_IN_FINGERPRINT = {"resume", "keep_last", "checkpoint_every", "num_workers", "threads", "node_rank",
-                       "rdzv_endpoint", "log_every", "eval_every"}
+_NOT_IN_FINGERPRINT = {"resume", "keep_last", "checkpoint_every", "num_workers", "threads", "log_every",
+                       "eval_every"} | LAUNCH_ONLY
 
 
 def fingerprint(cfg: params_mod.Train, cache_meta: bytes, arrow_meta: bytes) -> str:
@@ -79,6 +83,7 @@ class Trainer(TrainerBase):
             raise StageError(f"{CACHE_DIR}/train: {len(dataset)} images is fewer than one step per rank "
                              f"(train.batch_size={cfg.batch_size} x accumulate {cfg.accumulate} x world size "
                              f"{world_size})")
+        self.plan = EpochPlan(self.iters_per_epoch, cfg.batch_size * cfg.accumulate)  # elastic: see load_checkpoint_state
         self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.amp)
         self.scaler = torch.amp.GradScaler(device.type, enabled=cfg.amp == "fp16" and device.type == "cuda")
         self.bad_steps = 0
@@ -104,8 +109,9 @@ class Trainer(TrainerBase):
         if self._data is None:
             self._data = micro_batches(self.dataset, self.sampler, self.iter, self.iters_per_epoch,
                                        self.cfg.batch_size, self.cfg.accumulate, self.cfg.num_workers,
-                                       pin_memory=self.device.type == "cuda")
+                                       pin_memory=self.device.type == "cuda", locate=self.plan.locate)
         micro = next(self._data)
+        record_samples(self.iter, self.plan.locate(self.iter)[0], self.rank, self.world_size, micro)
         data_time = timer.lap()
         self.optimizer.zero_grad(set_to_none=True)
         total, terms, bad = 0.0, {}, False
@@ -142,9 +148,8 @@ class Trainer(TrainerBase):
         if self.distributed:
             rngs = [None] * self.world_size
             dist.all_gather_object(rngs, rng_state())
-        epoch, pos = divmod(done, self.iters_per_epoch)
         at_next = copy.copy(self.sampler)  # the live sampler is being iterated: leave it alone
-        at_next.set_epoch(epoch, pos * self.cfg.batch_size * self.cfg.accumulate)
+        at_next.set_epoch(*self.plan.locate(done))
         sampler_state = at_next.state_dict(consumed=0)  # where the next iteration starts reading
         return {"format": 1, "iter": done, "fingerprint": self.fingerprint, "world_size": self.world_size,
                 "sampler": sampler_state,
@@ -158,11 +163,14 @@ class Trainer(TrainerBase):
         self.scaler.load_state_dict(state["scaler"])
         self.load_hooks_state(state["hooks"])
         self.bad_steps = int(state["trainer"]["bad_steps"])
-        set_rng_state(state["rng"][self.rank])
+        if self.rank < len(state["rng"]):  # elastic: ranks beyond the checkpoint's world size keep their seeds
+            set_rng_state(state["rng"][self.rank])
         try:  # the sampler must be the one that produced the checkpoint; its position follows from "iter"
             self.sampler.load_state_dict(state["sampler"])
         except ValueError as e:
             raise StageError(f"checkpoint at iteration {state['iter']}: sampler does not match this run ({e})") from None
+        # elastic: the rest of the interrupted epoch (at a new world size: the samples it had not consumed)
+        self.plan = EpochPlan.resumed(int(state["iter"]), self.sampler, self.iters_per_epoch, self.plan.per_step)
 
 
 def memory_mb(device: torch.device) -> float:
@@ -328,6 +336,7 @@ def train(cfg: params_mod.Train, cache_dir: Path = CACHE_DIR, arrow_meta: Path =
     if state is not None:
         trainer.load_checkpoint_state(state)
         start_iter = int(state["iter"])
+        max_iter = trainer.planned_iters = trainer.plan.max_iter(cfg.epochs)  # elastic: world size may differ
     elif rank == 0 and Path(live_dir).exists():
         shutil.rmtree(live_dir)
     log.info("rank %d/%d on %s: %d images, %d iterations/epoch, iterations %d..%d", rank, world, device,
@@ -398,27 +407,51 @@ def check_inputs(cfg: params_mod.Train) -> None:
         raise StageError(f"params.yaml: key 'train.weights': file '{cfg.weights}' not found")
 
 
-def launch_args(cfg: params_mod.Train) -> list[str]:
-    """torchrun arguments built from params: ``--standalone`` on one node; with ``train.nnodes > 1`` a static
-    rendezvous at ``train.rdzv_endpoint`` (node 0's host:port) with ``--node-rank train.node_rank``."""
-    if cfg.nnodes == 1:
-        head = ["--standalone"]
-    else:
-        host, port = cfg.rdzv_endpoint.rsplit(":", 1)
-        head = ["--nnodes", str(cfg.nnodes), "--node-rank", str(cfg.node_rank), "--master-addr", host,
-                "--master-port", port]
-    return head + ["--nproc-per-node", str(cfg.nproc_per_node), "-m", "stages.train"]
+def launch_args(cfg: params_mod.Train, endpoint: str | None = None, run_id: str | None = None) -> list[str]:
+    """torchrun arguments of this stage (see `detpipe.launch.torchrun_args`): c10d rendezvous at ``endpoint``
+    (default ``train.rdzv_endpoint``) under job id ``run_id`` (default `detpipe.launch.default_run_id`)."""
+    return torchrun_args(cfg, "stages.train", endpoint or cfg.rdzv_endpoint, run_id or default_run_id(cfg))
 
 
 def launch(cfg: params_mod.Train) -> None:
-    """Run torchrun with `launch_args` in-process (see `launch_module`)."""
-    launch_module(launch_args(cfg))
+    """``train.launcher: local``: run torchrun here (`detpipe.launch.launch_local`). ``slurm`` (outside a Slurm
+    job): submit `emit`'s sbatch script, stream its log to stdout, wait; cancel the job on SIGTERM/SIGINT.
+    Raises `StageError` when the job fails."""
+    if cfg.launcher == "slurm" and "SLURM_JOB_ID" not in os.environ:
+        slurm.run_job(emit(cfg, "slurm"), Path.cwd())
+    else:
+        launch_local(cfg, "stages.train")
 
 
-def main() -> None:
+def emit(cfg: params_mod.Train, kind: str) -> str:
+    """The job description for a scheduler: ``slurm`` (an sbatch script, `detpipe.slurm.sbatch_script`) or
+    ``k8s`` (a Kubeflow PyTorchJob manifest, `detpipe.k8s.pytorchjob_manifest`), for the current params."""
+    if kind == "slurm":
+        port = cfg.rdzv_endpoint.rsplit(":", 1)[1]
+        return slurm.sbatch_script(cfg, launch_args(cfg, f"${{RDZV_HOST}}:{port}", "${SLURM_JOB_ID}"),
+                                   launch_env(cfg), Path.cwd())
+    job = k8s.job_name(cfg)
+    return k8s.pytorchjob_manifest(cfg, job, launch_args(cfg, k8s.rdzv_endpoint(job, cfg), job), launch_env(cfg))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Worker (under torchrun): train. Otherwise check inputs and launch (``train.launcher``), or with
+    ``--emit slurm|k8s [--out FILE]`` only write the job description for the current params."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m stages.train", description=__doc__.splitlines()[0])
+    ap.add_argument("--emit", choices=["slurm", "k8s"], help="write the Slurm sbatch script or Kubernetes manifest")
+    ap.add_argument("--out", type=Path, help="file to write (default: stdout)")
+    args = ap.parse_args(argv)
     cfg = params_mod.load("train")
     if "LOCAL_RANK" in os.environ:
         train(cfg)
+    elif args.emit:
+        text = emit(cfg, args.emit)
+        if args.out:
+            atomic_write_bytes(args.out, text.encode())
+        else:
+            print(text, end="")
     else:
         check_inputs(cfg)
         launch(cfg)
