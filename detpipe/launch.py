@@ -112,11 +112,16 @@ def bind_loopback(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
 
 
 @contextlib.contextmanager
-def loopback_stores(ready: dict[int, socket.socket] | None = None) -> Iterator[None]:
-    """While active, every ``TCPStore`` server torchrun's agent (this process) creates on a loopback address
-    listens on that address only: it gets a socket bound there (``TCPStore(master_listen_fd=...)``), taken
-    from ``ready`` (``{port: socket}``, bound ahead so the port cannot be taken meanwhile) or bound now.
-    Servers on other addresses are left to torch (they must be reachable from the other nodes)."""
+def agent_fixes(ready: dict[int, socket.socket] | None = None) -> Iterator[None]:
+    """Two fixes to torchrun's agent (this process), while active:
+
+    * every ``TCPStore`` server it creates on a loopback address listens on that address only: it gets a socket
+      bound there (``TCPStore(master_listen_fd=...)``), taken from ``ready`` (``{port: socket}``, bound ahead so
+      the port cannot be taken meanwhile) or bound now. Servers on other addresses are left to torch (they must
+      be reachable from the other nodes);
+    * the workers' bootstrap store address is published in every rendezvous round, so that a node that was
+      killed and started again can join the restarted job (torch publishes it only in an agent's first round).
+    """
     import torch.distributed as dist
     from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend as c10d_backend
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
@@ -137,12 +142,23 @@ def loopback_stores(ready: dict[int, socket.socket] | None = None) -> Iterator[N
     def shared_server(self, master_addr, master_port):  # same arguments as torch's own method
         return store(master_addr, master_port, is_master=True, multi_tenant=True)
 
-    saved = (c10d_backend.TCPStore, DynamicRendezvousHandler._create_tcp_store_server)
-    c10d_backend.TCPStore, DynamicRendezvousHandler._create_tcp_store_server = store, shared_server
+    real_next = DynamicRendezvousHandler.next_rendezvous
+
+    def next_rendezvous(self):
+        # torch shares the agent's store with the workers but publishes its address (MASTER_ADDR/PORT, under the
+        # round's key prefix) only in an agent's first round: a node that joins a later round (a restarted node)
+        # waits for it until the store times out. Publishing it in every round lets restarted nodes rejoin.
+        self._bootstrap_store_info = None
+        return real_next(self)
+
+    saved = (c10d_backend.TCPStore, DynamicRendezvousHandler._create_tcp_store_server, real_next)
+    (c10d_backend.TCPStore, DynamicRendezvousHandler._create_tcp_store_server,
+     DynamicRendezvousHandler.next_rendezvous) = store, shared_server, next_rendezvous
     try:
         yield
     finally:
-        c10d_backend.TCPStore, DynamicRendezvousHandler._create_tcp_store_server = saved
+        (c10d_backend.TCPStore, DynamicRendezvousHandler._create_tcp_store_server,
+         DynamicRendezvousHandler.next_rendezvous) = saved
         for sock in ready.values():
             sock.close()
 
@@ -150,7 +166,7 @@ def loopback_stores(ready: dict[int, socket.socket] | None = None) -> Iterator[N
 def run_torchrun(argv: list[str], env: dict[str, str] | None = None,
                  ready: dict[int, socket.socket] | None = None) -> None:
     """Run ``torchrun <argv>`` in this process (the elastic agent), with ``env`` added to the environment the
-    workers inherit and loopback stores bound to 127.0.0.1 only (`loopback_stores`). A failed job becomes a
+    workers inherit and loopback stores bound to 127.0.0.1 only and restarted nodes able to rejoin (`agent_fixes`). A failed job becomes a
     one-line `StageError` naming the first failed rank and its exit code (the worker's own message is printed
     above it) instead of torchrun's traceback.
 
@@ -165,7 +181,7 @@ def run_torchrun(argv: list[str], env: dict[str, str] | None = None,
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
     log.info("launching: torchrun %s", " ".join(argv))
     try:
-        with loopback_stores(ready):
+        with agent_fixes(ready):
             run(parse_args(argv))
     except ChildFailedError as e:
         rank, failure = next(iter(e.failures.items()))

@@ -1,7 +1,8 @@
 """Slurm: the sbatch script of a training job, and running it from the train stage (submit, stream the log,
 wait, cancel when stopped).
 
-The script (`sbatch_script`) asks for ``train.nnodes`` nodes (``MIN-MAX`` for an elastic job) with
+The script (`sbatch_script`) asks for ``train.nnodes / train.slurm_tasks_per_node`` nodes (``MIN-MAX`` for an
+elastic job; ``train.nnodes`` counts torchrun agents, one per Slurm task, normally one per node) with
 ``train.slurm_tasks_per_node`` tasks each; ``srun`` starts one torchrun agent per task with the same arguments
 as a local launch (`detpipe.launch.torchrun_args`), the c10d rendezvous on the job's first node at the port
 of ``train.rdzv_endpoint`` and ``$SLURM_JOB_ID`` as rendezvous id. A failed worker or node: torchrun restarts
@@ -47,8 +48,13 @@ def sbatch_script(cfg, torchrun_argv: list[str], env: dict[str, str], workdir: P
         workdir: the run's folder (repository root): the job runs there and logs to ``workdir/logs``.
     """
     lo, hi = parse_nnodes(cfg.nnodes)
+    tasks = cfg.slurm_tasks_per_node
+    if lo % tasks or hi % tasks:
+        raise StageError(f"params.yaml: train.nnodes {cfg.nnodes!r} (torchrun agents = Slurm tasks) is not a multiple "
+                         f"of train.slurm_tasks_per_node {tasks}")
+    lo, hi = lo // tasks, hi // tasks
     workdir = Path(workdir).resolve()
-    opts = [f"--job-name=detpipe-train", f"--nodes={lo}" if lo == hi else f"--nodes={lo}-{hi}",
+    opts = ["--job-name=detpipe-train", f"--nodes={lo}" if lo == hi else f"--nodes={lo}-{hi}",
             f"--ntasks-per-node={cfg.slurm_tasks_per_node}", f"--time={cfg.slurm_time}", "--requeue", "--no-kill",
             "--open-mode=append", f"--chdir={workdir}", f"--output={workdir}/{LOG_DIR}/slurm-%j.out"]
     opts += [f"--partition={cfg.slurm_partition}"] if cfg.slurm_partition else []

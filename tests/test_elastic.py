@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -17,18 +16,8 @@ import psutil
 import pytest
 import torch
 
-from conftest import run_stage, stage_env, write_params
+from conftest import elastic_workdir, stage_env, write_params
 from test_distributed import free_port
-
-# 9 training images, 2 per micro-batch: 2 iterations per epoch with 2 ranks, 4 with 1
-SMALL = {"epochs": 2, "batch_size": 2, "checkpoint_every": 1, "keep_last": 50, "threads": 1, "warmup_iters": 1}
-
-
-def _copy(cached: Path, dest: Path, train: dict) -> Path:
-    shutil.copytree(cached / "data", dest / "data")
-    write_params(dest, {"train": {**SMALL, **train}})
-    return dest
-
 
 def _start(work: Path, log: Path, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "stages.train"], cwd=work, env={**stage_env(), **(env or {})},
@@ -82,14 +71,6 @@ def _listening(pid: int) -> list[str]:
     return sorted({c.laddr.ip for c in psutil.Process(pid).net_connections("tcp") if c.status == psutil.CONN_LISTEN})
 
 
-@pytest.fixture(scope="module")
-def straight_two_ranks(cached_workdir, tmp_path_factory) -> Path:
-    """An uninterrupted single-node run with 2 worker processes (world size 2)."""
-    work = _copy(cached_workdir, tmp_path_factory.mktemp("straight"), {"nproc_per_node": 2})
-    run_stage("train", work)
-    return work
-
-
 def test_plain_tcpstore_listens_on_all_interfaces():
     """What the loopback check below guards against: torch's TCPStore server binds the wildcard address even when
     asked for 127.0.0.1 (so `_listening` does detect a store open to the network)."""
@@ -99,11 +80,11 @@ def test_plain_tcpstore_listens_on_all_interfaces():
 
 
 @pytest.mark.slow
-def test_killed_worker_restarts_group_bit_identical(cached_workdir, tmp_path, straight_two_ranks):
+def test_killed_worker_restarts_group_bit_identical(cached_workdir, tmp_path, two_rank_workdir):
     """2(a): kill -9 of one worker mid-epoch -> torchrun restarts the worker group -> it resumes from the newest
     checkpoint and ends with the weights and optimizer state of the uninterrupted run. The single-node job's
     rendezvous stores listen on 127.0.0.1 only."""
-    work = _copy(cached_workdir, tmp_path / "killed", {"nproc_per_node": 2})
+    work = elastic_workdir(cached_workdir, tmp_path / "killed", {"nproc_per_node": 2})
     log = tmp_path / "killed.log"
     agent = _start(work, log)
     _wait_for(work / "checkpoints/ckpt-0000001.pt", [agent])  # iteration 1 = epoch 0, position 1 of 2
@@ -114,7 +95,7 @@ def test_killed_worker_restarts_group_bit_identical(cached_workdir, tmp_path, st
     resumed = [l for l in text.splitlines() if "resuming from" in l]
     assert "starting fresh" in text  # the first start; the restarted group then resumed mid-epoch 0:
     assert len(resumed) == 1 and "(iteration 1)" in resumed[0], "the kill came too late: " + str(resumed)
-    final = _assert_same_final_state(straight_two_ranks, work)
+    final = _assert_same_final_state(two_rank_workdir, work)
     assert final == 4
     # the curves have one row per iteration: the restarted group did not log an iteration twice
     rows = (work / "dvclive/plots/metrics/train/loss.tsv").read_text().splitlines()[1:]
@@ -122,13 +103,13 @@ def test_killed_worker_restarts_group_bit_identical(cached_workdir, tmp_path, st
 
 
 @pytest.mark.slow
-def test_killed_node_rejoins_bit_identical(cached_workdir, tmp_path, straight_two_ranks):
+def test_killed_node_rejoins_bit_identical(cached_workdir, tmp_path, two_rank_workdir):
     """2(b): two torchrun agents ("nodes", 1 worker each) on 127.0.0.1 sharing a working directory (a shared
     filesystem); node 1 is killed with SIGKILL mid-epoch (its worker dies with it) and started again: node 0's
     agent restarts its worker, both meet at the next rendezvous round and finish bit-identical to a 2-process
     run."""
     port = free_port()
-    work = _copy(cached_workdir, tmp_path / "w", {"nnodes": 2, "rdzv_endpoint": f"127.0.0.1:{port}"})
+    work = elastic_workdir(cached_workdir, tmp_path / "w", {"nnodes": 2, "rdzv_endpoint": f"127.0.0.1:{port}"})
     logs = [tmp_path / "node0.log", tmp_path / "node1.log", tmp_path / "node1-again.log"]
     node0 = _start(work, logs[0])
     _wait_for_listener(port, node0)  # node 0's agent hosts the rendezvous store
@@ -139,7 +120,7 @@ def test_killed_node_rejoins_bit_identical(cached_workdir, tmp_path, straight_tw
     again = _start(work, logs[2])
     texts = _finish([node0, again], [logs[0], logs[2]])
     assert sum("resuming from" in t for t in texts) == 1
-    _assert_same_final_state(straight_two_ranks, work)
+    _assert_same_final_state(two_rank_workdir, work)
 
 
 def _wait_for_listener(port: int, proc: subprocess.Popen, timeout: float = 120) -> None:
@@ -173,7 +154,7 @@ def test_world_size_shrinks_every_sample_once(cached_workdir, tmp_path):
     size 2 -> 1) from the checkpoint. Every sample of the interrupted epoch is trained on exactly once (the
     ranks' sample logs), and later epochs are whole epochs at world size 1."""
     port = free_port()
-    work = _copy(cached_workdir, tmp_path / "w", {"nnodes": "1:2", "rdzv_endpoint": f"127.0.0.1:{port}",
+    work = elastic_workdir(cached_workdir, tmp_path / "w", {"nnodes": "1:2", "rdzv_endpoint": f"127.0.0.1:{port}",
                                                   "rdzv_last_call_s": 2})
     samples = tmp_path / "samples"
     samples.mkdir()
@@ -220,3 +201,53 @@ def test_epoch_plan_matches_plain_schedule_and_finishes_a_resized_epoch():
     assert shrunk.max_iter(3) == 5 + 3 + 4
     with pytest.raises(ValueError):
         shrunk.locate(4)
+
+
+def _rendezvous_free(argv: list[str]) -> list[str]:
+    """torchrun arguments with the values of --rdzv-endpoint and --rdzv-id blanked (they name the job's hosts)."""
+    return [("*" if i and argv[i - 1] in ("--rdzv-endpoint", "--rdzv-id") else a) for i, a in enumerate(argv)]
+
+
+@pytest.mark.parametrize("kind", ["k8s", "slurm"])
+def test_emitted_job_runs_the_local_launchers_command(tmp_path, kind):
+    """``--emit k8s`` (a Kubeflow PyTorchJob) and ``--emit slurm`` run the torchrun command and environment the
+    local launcher builds from the same params; only the rendezvous host and id are the scheduler's."""
+    import shlex
+
+    import yaml
+
+    from detpipe.launch import launch_env
+    from detpipe.params import load
+    from stages.train import launch_args
+
+    write_params(tmp_path, {"train": {"nnodes": "2:4", "nproc_per_node": 8, "max_restarts": 5, "threads": 2,
+                                      "rdzv_endpoint": "10.1.2.3:29500", "slurm_extra": ["--gres=gpu:8"]}})
+    text = subprocess.run([sys.executable, "-m", "stages.train", "--emit", kind], cwd=tmp_path, env=stage_env(),
+                          capture_output=True, text=True, check=True).stdout
+    cfg = load("train", tmp_path / "params.yaml")
+    local, env = launch_args(cfg), launch_env(cfg)
+    if kind == "k8s":
+        job = yaml.safe_load(text)
+        worker = job["spec"]["pytorchReplicaSpecs"]["Worker"]
+        (container,) = worker["template"]["spec"]["containers"]
+        command = container["command"]
+        assert command[:3] == ["python", "-m", "torch.distributed.run"]
+        argv = command[3:]
+        assert {e["name"]: e["value"] for e in container["env"]} == env
+        name = job["metadata"]["name"]
+        assert argv[argv.index("--rdzv-endpoint") + 1] == f"{name}-worker-0:29500"
+        assert argv[argv.index("--rdzv-id") + 1] == name
+        assert job["spec"]["elasticPolicy"] == {"rdzvBackend": "c10d", "minReplicas": 2, "maxReplicas": 4,
+                                                "maxRestarts": 5, "nProcPerNode": 8}
+        assert worker["replicas"] == 4
+    else:
+        (srun,) = [l for l in text.splitlines() if l.startswith("srun ")]
+        words = shlex.split(srun)
+        argv = words[words.index("torch.distributed.run") + 1:]
+        assert argv[argv.index("--rdzv-endpoint") + 1] == "${RDZV_HOST}:29500"
+        assert argv[argv.index("--rdzv-id") + 1] == "${SLURM_JOB_ID}"
+        (export,) = [l for l in text.splitlines() if l.startswith("export ")]
+        assert dict(w.split("=", 1) for w in shlex.split(export)[1:]) == env
+        assert "#SBATCH --nodes=2-4" in text and "#SBATCH --gres=gpu:8" in text
+    assert _rendezvous_free(argv) == _rendezvous_free(local)
+    assert argv != local  # the comparison above is not vacuous: the scheduler's rendezvous address differs
