@@ -19,6 +19,7 @@ import torch
 from conftest import elastic_workdir, stage_env, write_params
 from test_distributed import free_port
 
+
 def _start(work: Path, log: Path, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "stages.train"], cwd=work, env={**stage_env(), **(env or {})},
                             stdout=open(log, "ab"), stderr=subprocess.STDOUT)
@@ -155,18 +156,23 @@ def test_world_size_shrinks_every_sample_once(cached_workdir, tmp_path):
     ranks' sample logs), and later epochs are whole epochs at world size 1."""
     port = free_port()
     work = elastic_workdir(cached_workdir, tmp_path / "w", {"nnodes": "1:2", "rdzv_endpoint": f"127.0.0.1:{port}",
-                                                  "rdzv_last_call_s": 2})
+                                                  "rdzv_last_call_s": 15})
     samples = tmp_path / "samples"
     samples.mkdir()
     env = {"DETPIPE_SAMPLE_LOG": str(samples)}
     logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
-    node0 = _start(work, logs[0], env)
-    _wait_for_listener(port, node0)
-    node1 = _start(work, logs[1], env)
-    _wait_for(work / "checkpoints/ckpt-0000001.pt", [node0, node1])  # epoch 0, position 1 of 2
-    os.kill(node1.pid, signal.SIGKILL)
-    node1.wait()
-    (text,) = _finish([node0], [logs[0]])
+    # started together, so that both join the first round (MIN is 1: one alone would start after the last call)
+    nodes = [_start(work, logs[0], env), _start(work, logs[1], env)]
+    _wait_for(work / "checkpoints/ckpt-0000001.pt", nodes)  # epoch 0, position 1 of 2
+    assert torch.load(work / "checkpoints/ckpt-0000001.pt", weights_only=True)["world_size"] == 2
+    # kill the node that does not host the rendezvous store
+    host = [n for n in nodes if port in {c.laddr.port for c in psutil.Process(n.pid).net_connections("tcp")
+                                          if c.status == psutil.CONN_LISTEN}]
+    assert len(host) == 1
+    (other,) = [n for n in nodes if n is not host[0]]
+    os.kill(other.pid, signal.SIGKILL)
+    other.wait()
+    (text,) = _finish(host, [logs[nodes.index(host[0])]])
     resumed = [l for l in text.splitlines() if "resuming from" in l]
     assert len(resumed) == 1 and "(iteration 1)" in resumed[0], "the kill came too late: " + str(resumed)
     assert "rank 0/1" in text
@@ -209,7 +215,7 @@ def _rendezvous_free(argv: list[str]) -> list[str]:
 
 
 @pytest.mark.parametrize("kind", ["k8s", "slurm"])
-def test_emitted_job_runs_the_local_launchers_command(tmp_path, kind):
+def test_emitted_job_runs_the_local_launchers_command(tmp_path, monkeypatch, kind):
     """``--emit k8s`` (a Kubeflow PyTorchJob) and ``--emit slurm`` run the torchrun command and environment the
     local launcher builds from the same params; only the rendezvous host and id are the scheduler's."""
     import shlex
@@ -218,13 +224,13 @@ def test_emitted_job_runs_the_local_launchers_command(tmp_path, kind):
 
     from detpipe.launch import launch_env
     from detpipe.params import load
-    from stages.train import launch_args
+    from stages.train import emit, launch_args
 
     write_params(tmp_path, {"train": {"nnodes": "2:4", "nproc_per_node": 8, "max_restarts": 5, "threads": 2,
                                       "rdzv_endpoint": "10.1.2.3:29500", "slurm_extra": ["--gres=gpu:8"]}})
-    text = subprocess.run([sys.executable, "-m", "stages.train", "--emit", kind], cwd=tmp_path, env=stage_env(),
-                          capture_output=True, text=True, check=True).stdout
+    monkeypatch.chdir(tmp_path)  # what `python -m stages.train --emit KIND` prints there (tests/test_slurm.py runs it)
     cfg = load("train", tmp_path / "params.yaml")
+    text = emit(cfg, kind)
     local, env = launch_args(cfg), launch_env(cfg)
     if kind == "k8s":
         job = yaml.safe_load(text)
