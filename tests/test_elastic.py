@@ -156,7 +156,7 @@ def test_world_size_shrinks_every_sample_once(cached_workdir, tmp_path):
     ranks' sample logs), and later epochs are whole epochs at world size 1."""
     port = free_port()
     work = elastic_workdir(cached_workdir, tmp_path / "w", {"nnodes": "1:2", "rdzv_endpoint": f"127.0.0.1:{port}",
-                                                  "rdzv_last_call_s": 15})
+                                                  "rdzv_last_call_s": 15, "max_restarts": 1})
     samples = tmp_path / "samples"
     samples.mkdir()
     env = {"DETPIPE_SAMPLE_LOG": str(samples)}
