@@ -1,33 +1,12 @@
-"""Distributed setup: launch a stage's workers with torchrun (one-line errors), init the process group in a
-worker, tie workers' lives to their launcher."""
+"""Distributed setup inside a worker: init the process group, tie the worker's life to its launcher. Launching
+the workers (torchrun, Slurm, Kubernetes) is `detpipe.launch`."""
 from __future__ import annotations
 
-import logging
 import os
 import sys
 
 import torch
 import torch.distributed as dist
-
-from detpipe.errors import StageError
-
-log = logging.getLogger("detpipe.distributed")
-
-
-def launch_module(argv: list[str]) -> None:
-    """Run ``torchrun <argv>`` in this process; a failed worker becomes a one-line `StageError` (the worker's
-    own message is printed above it) instead of torchrun's traceback."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
-
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-    log.info("launching: torchrun %s", " ".join(argv))
-    try:
-        run(parse_args(argv))
-    except ChildFailedError as e:
-        rank, failure = next(iter(e.failures.items()))
-        raise StageError(f"{argv[-1]} failed: rank {rank} exited with code {failure.exitcode} "
-                         f"(see its message above)") from None
 
 
 def die_with_parent() -> None:

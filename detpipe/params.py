@@ -61,9 +61,8 @@ class Train(_Section):
     weights: Optional[str] = Field(default=None, description='Initial state_dict: local path or http(s):// / s3:// URL, or a torchvision weights name (online only); null = random init.')
     weights_sha256: Optional[str] = Field(default=None, pattern=r"^[0-9a-f]{64}$", description='Hex sha256 the weights file must have; null skips the check.')
     nproc_per_node: int = Field(default=1, ge=1, description='Worker processes per node (one per GPU on CUDA).')
-    nnodes: int = Field(default=1, ge=1, description='Number of nodes of the job.')
-    node_rank: int = Field(default=0, ge=0, description="This node's rank, 0 .. nnodes-1.")
-    rdzv_endpoint: str = Field(default="127.0.0.1:29500", pattern=r"^[^:\s]+:\d+$", description='host:port of the rendezvous (node 0) when nnodes > 1.')
+    nnodes: str = Field(default="1", pattern=r"^[1-9]\d*(:[1-9]\d*)?$", description='Nodes of the job: N, or MIN:MAX for an elastic job that goes on with as few as MIN nodes (torchrun --nnodes).')
+    rdzv_endpoint: str = Field(default="127.0.0.1:29400", pattern=r"^[^:\s]+:\d+$", description='host:port of the c10d rendezvous store when the job has more than one node: a node every node reaches (the first node under Slurm); one node uses a free port on 127.0.0.1.')
     epochs: int = Field(default=8, ge=1, description='Passes over the train split.')
     batch_size: int = Field(default=16, ge=1, description='Images per process per micro-batch.')
     accumulate: int = Field(default=1, ge=1, description='Micro-batches per optimizer step (gradient accumulation).')
@@ -95,6 +94,17 @@ class Train(_Section):
     cache_local_dir: Optional[str] = Field(default=None, description='cache_url: folder where whole shards are prefetched before use (deleted when consumed); null = a temporary folder.')
     cache_local_bytes: int = Field(default=2_000_000_000, ge=1, description='cache_url: bytes of prefetched shards held in cache_local_dir (about; a shard needed now is fetched even beyond it). 2 x 8 shards or more keeps the loader from waiting.')
     log_every_s: float = Field(default=30.0, gt=0, description='Seconds between progress log lines (iteration/total, epoch, loss, lr, images/s, ETA) when stderr is not a terminal; a terminal gets a tqdm bar.')
+    max_restarts: int = Field(default=3, ge=0, description='Times torchrun restarts the worker group after a worker or node fails (torchrun --max-restarts); every restart resumes from the newest checkpoint.')
+    rdzv_id: Optional[str] = Field(default=None, pattern=r"^[A-Za-z0-9_.-]+$", description='Job id of the rendezvous (torchrun --rdzv-id), the same on every node; null = $SLURM_JOB_ID under Slurm, else derived from the params.')
+    rdzv_join_timeout_s: int = Field(default=600, ge=1, description='Seconds a (re)starting node waits for at least MIN nodes to join the rendezvous before the job fails.')
+    rdzv_last_call_s: int = Field(default=30, ge=0, description='Seconds the rendezvous waits for more nodes (up to MAX) once MIN have joined.')
+    launcher: Literal["local", "slurm"] = Field(default="local", description='local: run torchrun here; slurm: submit the job with sbatch, stream its log, wait, scancel it when this stage is stopped.')
+    slurm_partition: Optional[str] = Field(default=None, description='Slurm partition (sbatch --partition); null = the cluster default.')
+    slurm_time: str = Field(default="24:00:00", pattern=r"^[0-9:-]+$", description='Slurm time limit of the job (sbatch --time).')
+    slurm_tasks_per_node: int = Field(default=1, ge=1, description='torchrun agents per Slurm node (1 on a real cluster; 2 lets one machine act as two nodes in tests).')
+    slurm_cpus_per_task: int = Field(default=0, ge=0, description='CPU cores per agent (sbatch --cpus-per-task); 0 = not set.')
+    slurm_extra: list[str] = Field(default_factory=list, description='Extra sbatch options, one per item, e.g. "--gres=gpu:8" or "--account=proj".')
+    k8s_image: str = Field(default="detpipe:latest", description='Container image of the Kubernetes manifest (python -m stages.train --emit k8s).')
 
     @field_validator("amp", mode="before")
     @classmethod
@@ -102,10 +112,16 @@ class Train(_Section):
         # YAML 1.1 (PyYAML) reads an unquoted `off` as False; DVC's `-S` rewrites params.yaml unquoted.
         return "off" if v is False else v
 
+    @field_validator("nnodes", mode="before")
+    @classmethod
+    def _nnodes_str(cls, v):
+        return str(v) if isinstance(v, int) and not isinstance(v, bool) else v  # YAML `nnodes: 2`
+
     @model_validator(mode="after")
     def _check(self):
-        if self.node_rank >= self.nnodes:
-            raise ValueError(f"train.node_rank {self.node_rank} must be < train.nnodes {self.nnodes}")
+        lo, _, hi = self.nnodes.partition(":")
+        if hi and int(hi) < int(lo):
+            raise ValueError(f"train.nnodes {self.nnodes!r}: MAX must be >= MIN")
         if any(not 0 < m < 1 for m in self.milestones) or self.milestones != sorted(self.milestones):
             raise ValueError("train.milestones must be increasing fractions of training in (0, 1)")
         return self

@@ -30,7 +30,9 @@ from detpipe.checkpoints import FORMAT, find_resume_state, list_checkpoints, rng
 from detpipe.data import (CachedDetectionDataset, ResumableDistributedSampler, check_cache_masks, micro_batches,
                           read_meta, uses_masks)
 from detpipe.distributed import die_with_parent, setup_distributed
+from detpipe.elastic import EpochPlan, record_samples
 from detpipe.engine import HookBase, TrainerBase
+from detpipe.launch import LAUNCH_ONLY
 from detpipe.errors import Interrupted, StageError, received_signal
 from detpipe.hooks import CheckpointHook, EMAHook, EvalHook, LRScheduleHook, MetricsHook, ProgressHook
 from detpipe.io import join_url, read_url_bytes
@@ -41,9 +43,8 @@ log = logging.getLogger("detpipe.trainer")
 
 
 # Params that do not change the result of training: a checkpoint made with other values resumes.
-_NOT_IN_FINGERPRINT = {"resume", "keep_last", "checkpoint_every", "num_workers", "threads", "node_rank",
-                       "rdzv_endpoint", "log_every", "eval_every", "log_every_s", "cache_url",
-                       "cache_local_dir", "cache_local_bytes"}
+_NOT_IN_FINGERPRINT = {"resume", "keep_last", "checkpoint_every", "num_workers", "threads", "log_every",
+                       "eval_every", "log_every_s", "cache_url", "cache_local_dir", "cache_local_bytes"} | LAUNCH_ONLY
 
 
 def fingerprint(cfg: params_mod.Train, cache_meta: bytes, arrow_meta: bytes) -> str:
@@ -89,6 +90,7 @@ class Trainer(TrainerBase):
                              f"(train.batch_size={cfg.batch_size} x accumulate {cfg.accumulate} x world size "
                              f"{world_size})")
         self.max_iter = cfg.epochs * self.iters_per_epoch
+        self.plan = EpochPlan(self.iters_per_epoch, cfg.batch_size * cfg.accumulate)  # elastic: see load_checkpoint_state
         self.images_per_iter = cfg.batch_size * cfg.accumulate * world_size
         self.amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.amp)
         self.scaler = torch.amp.GradScaler(device.type, enabled=cfg.amp == "fp16" and device.type == "cuda")
@@ -117,6 +119,7 @@ class Trainer(TrainerBase):
                                        pin_memory=self.device.type == "cuda", local_dir=self.cfg.cache_local_dir,
                                        local_bytes=self.cfg.cache_local_bytes, decode_device=self.device)
         micro = next(self._data)
+        record_samples(self.iter, self.plan.locate(self.iter)[0], self.rank, self.world_size, micro)
         data_time = time.perf_counter() - t0
         self.optimizer.zero_grad(set_to_none=True)
         total, terms, bad = 0.0, {}, False
@@ -152,9 +155,8 @@ class Trainer(TrainerBase):
         if self.distributed:
             rngs = [None] * self.world_size
             dist.all_gather_object(rngs, rng_state())
-        epoch, pos = divmod(done, self.iters_per_epoch)
         at_next = copy.copy(self.sampler)  # the live sampler is being iterated: leave it alone
-        at_next.set_epoch(epoch, pos * self.cfg.batch_size * self.cfg.accumulate)
+        at_next.set_epoch(*self.plan.locate(done))
         sampler_state = at_next.state_dict(consumed=0)  # where the next iteration starts reading
         return {"format": FORMAT, "iter": done, "fingerprint": self.fingerprint, "world_size": self.world_size,
                 "sampler": sampler_state,
@@ -171,11 +173,15 @@ class Trainer(TrainerBase):
         self.storage.load_state_dict(state["storage"])
         self.load_hooks_state(state["hooks"])
         self.bad_steps = int(state["trainer"]["bad_steps"])
-        set_rng_state(state["rng"][self.rank])
+        if self.rank < len(state["rng"]):  # elastic: ranks beyond the checkpoint's world size keep their seeds
+            set_rng_state(state["rng"][self.rank])
         try:  # the sampler must be the one that produced the checkpoint; its position follows from "iter"
             self.sampler.load_state_dict(state["sampler"])
         except ValueError as e:
             raise StageError(f"checkpoint at iteration {state['iter']}: sampler does not match this run ({e})") from None
+        # elastic: the rest of the interrupted epoch (at a new world size: the samples it had not consumed)
+        self.plan = EpochPlan.resumed(int(state["iter"]), self.sampler, self.iters_per_epoch, self.plan.per_step)
+        self.max_iter = self.plan.max_iter(self.cfg.epochs)
 
 
 def memory_mb(device: torch.device) -> float:
@@ -304,7 +310,7 @@ def train(cfg: params_mod.Train, cache_dir: Path = CACHE_DIR, arrow_meta: Path =
     start_iter = 0
     if state is not None:
         trainer.load_checkpoint_state(state)
-        start_iter = int(state["iter"])
+        start_iter, max_iter = int(state["iter"]), trainer.max_iter  # elastic: max_iter follows the world size
     elif rank == 0 and Path(live_dir).exists():
         shutil.rmtree(live_dir)
     log.info("rank %d/%d on %s: %d images, %d iterations/epoch, iterations %d..%d", rank, trainer.world_size,

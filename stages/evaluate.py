@@ -36,8 +36,9 @@ from detpipe.cocoeval import coco_evaluate
 from detpipe.errors import StageError, run_stage
 from detpipe.io import atomic_write_json
 from detpipe.data import CachedDetectionDataset, read_meta, uses_masks
-from detpipe.distributed import launch_module, setup_distributed
+from detpipe.distributed import setup_distributed
 from detpipe.evaluation import gt_from_arrow, label_to_category_id, predict, write_plots
+from detpipe.launch import launch_local
 from detpipe.models import load_model
 from detpipe.paths import ARROW_DIR, CACHE_DIR, METRICS, MODEL, PLOTS
 
@@ -90,7 +91,8 @@ def evaluate(cfg: params_mod.Evaluate, arrow_dir: Path = ARROW_DIR, cache_dir: P
 def main() -> None:
     cfg = params_mod.load("evaluate")
     if cfg.nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:
-        launch_module(["--standalone", "--nproc-per-node", str(cfg.nproc_per_node), "-m", "stages.evaluate"])
+        # one node, no restarts: the launcher settings of a default train section (127.0.0.1 rendezvous)
+        launch_local(params_mod.Train(max_restarts=0), "stages.evaluate", cfg.nproc_per_node)
     else:
         evaluate(cfg)
 

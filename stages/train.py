@@ -1,9 +1,10 @@
 """Train stage: a torchvision detector trained with DDP from the augmentation cache, resumable at any point.
 
 ``python -m stages.train`` (the DVC stage command) checks params and inputs, then launches
-``torchrun --standalone --nproc-per-node ${train.nproc_per_node} -m stages.train``; each worker (detected by
-torchrun's ``LOCAL_RANK`` variable) trains with DDP — gloo on CPU, nccl on CUDA. Running that ``torchrun``
-line yourself works too.
+``torchrun --rdzv-backend c10d ... -m stages.train`` (`detpipe.launch`; under Slurm with ``train.launcher:
+slurm``); each worker (detected by torchrun's ``LOCAL_RANK`` variable) trains with DDP — gloo on CPU, nccl on
+CUDA. ``python -m stages.train --emit slurm|k8s`` writes the Slurm script / Kubernetes manifest instead
+(README "Multi-node").
 
 Outputs: ``checkpoints/ckpt-NNNNNNN.pt`` (kept across runs: ``persist: true`` in dvc.yaml), ``models/model.pt``
 (``{"model": state_dict, "config": {...}}`` for the evaluate and export stages), ``dvclive/`` (training
@@ -20,53 +21,70 @@ that checkpoint is complete (written atomically) and the next run resumes from i
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
-from detpipe import params as params_mod
-from detpipe.data import check_cache_masks, read_meta, uses_masks
-from detpipe.distributed import launch_module
+from detpipe import k8s, params as params_mod, slurm
 from detpipe.errors import StageError, run_stage
-from detpipe.models import build_from_config, model_config
-from detpipe.paths import ARROW_META, CACHE_DIR
-from detpipe.trainer import model_kwargs, read_cache_meta_bytes, train
+from detpipe.io import atomic_write_bytes
+from detpipe.launch import default_run_id, launch_env, launch_local, torchrun_args
+from detpipe.trainer import build_detector, train
 
 
 def check_inputs(cfg: params_mod.Train) -> None:
-    """Fail fast, before launching workers, on problems every worker would hit (one-line StageError)."""
-    meta = read_meta(ARROW_META)
-    cache_root = cfg.cache_url or str(CACHE_DIR)
-    cache_meta = json.loads(read_cache_meta_bytes(cache_root))
-    model = build_from_config(model_config(cfg.model, int(meta["num_classes"]), **model_kwargs(cfg.model, cache_meta)))
-    if uses_masks(model):
-        check_cache_masks(cache_meta, cfg.model, f"{cache_root.split('?')[0]}/meta.json")
+    """Fail fast, before launching workers, on problems every worker would hit (one-line StageError): missing
+    inputs, unknown model, a mask model on a cache without masks, a weights file that does not exist."""
+    build_detector(cfg)
     if cfg.weights and "://" not in cfg.weights and not Path(cfg.weights).exists() and \
             ("/" in cfg.weights or cfg.weights.endswith((".pt", ".pth"))):
         raise StageError(f"params.yaml: key 'train.weights': file '{cfg.weights}' not found")
 
 
-def launch_args(cfg: params_mod.Train) -> list[str]:
-    """torchrun arguments built from params: ``--standalone`` on one node; with ``train.nnodes > 1`` a static
-    rendezvous at ``train.rdzv_endpoint`` (node 0's host:port) with ``--node-rank train.node_rank``."""
-    if cfg.nnodes == 1:
-        head = ["--standalone"]
-    else:
-        host, port = cfg.rdzv_endpoint.rsplit(":", 1)
-        head = ["--nnodes", str(cfg.nnodes), "--node-rank", str(cfg.node_rank), "--master-addr", host,
-                "--master-port", port]
-    return head + ["--nproc-per-node", str(cfg.nproc_per_node), "-m", "stages.train"]
+def launch_args(cfg: params_mod.Train, endpoint: str | None = None, run_id: str | None = None) -> list[str]:
+    """torchrun arguments of this stage (see `detpipe.launch.torchrun_args`): c10d rendezvous at ``endpoint``
+    (default ``train.rdzv_endpoint``) under job id ``run_id`` (default `detpipe.launch.default_run_id`)."""
+    return torchrun_args(cfg, "stages.train", endpoint or cfg.rdzv_endpoint, run_id or default_run_id(cfg))
 
 
 def launch(cfg: params_mod.Train) -> None:
-    """Run torchrun with `launch_args` in-process (see `launch_module`)."""
-    launch_module(launch_args(cfg))
+    """``train.launcher: local``: run torchrun here (`detpipe.launch.launch_local`). ``slurm`` (outside a Slurm
+    job): submit `emit`'s sbatch script, stream its log to stdout, wait; cancel the job on SIGTERM/SIGINT.
+    Raises `StageError` when the job fails."""
+    if cfg.launcher == "slurm" and "SLURM_JOB_ID" not in os.environ:
+        slurm.run_job(emit(cfg, "slurm"), Path.cwd())
+    else:
+        launch_local(cfg, "stages.train")
 
 
-def main() -> None:
+def emit(cfg: params_mod.Train, kind: str) -> str:
+    """The job description for a scheduler: ``slurm`` (an sbatch script, `detpipe.slurm.sbatch_script`) or
+    ``k8s`` (a Kubeflow PyTorchJob manifest, `detpipe.k8s.pytorchjob_manifest`), for the current params."""
+    if kind == "slurm":
+        port = cfg.rdzv_endpoint.rsplit(":", 1)[1]
+        return slurm.sbatch_script(cfg, launch_args(cfg, f"${{RDZV_HOST}}:{port}", "${SLURM_JOB_ID}"),
+                                   launch_env(cfg), Path.cwd())
+    job = k8s.job_name(cfg)
+    return k8s.pytorchjob_manifest(cfg, job, launch_args(cfg, k8s.rdzv_endpoint(job, cfg), job), launch_env(cfg))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Worker (under torchrun): train. Otherwise check inputs and launch (``train.launcher``), or with
+    ``--emit slurm|k8s [--out FILE]`` only write the job description for the current params."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m stages.train", description=__doc__.splitlines()[0])
+    ap.add_argument("--emit", choices=["slurm", "k8s"], help="write the Slurm sbatch script or Kubernetes manifest")
+    ap.add_argument("--out", type=Path, help="file to write (default: stdout)")
+    args = ap.parse_args(argv)
     cfg = params_mod.load("train")
     if "LOCAL_RANK" in os.environ:
         train(cfg)
+    elif args.emit:
+        text = emit(cfg, args.emit)
+        if args.out:
+            atomic_write_bytes(args.out, text.encode())
+        else:
+            print(text, end="")
     else:
         check_inputs(cfg)
         launch(cfg)

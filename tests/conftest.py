@@ -115,3 +115,24 @@ def recalibrated_model(work: Path):
     for m in bns:
         m.eval()
     return model, ckpt
+
+
+# Elastic and Slurm tests (tests/test_elastic.py, tests/test_slurm.py): 9 training images, 2 per micro-batch,
+# a checkpoint per iteration: 2 iterations per epoch with 2 ranks, 4 with 1.
+ELASTIC_TRAIN = {"epochs": 2, "batch_size": 2, "checkpoint_every": 1, "keep_last": 50, "threads": 1,
+                 "warmup_iters": 1}
+
+
+def elastic_workdir(cached: Path, dest: Path, train: dict) -> Path:
+    """A copy of `cached_workdir`'s data with params ``ELASTIC_TRAIN`` + ``train``."""
+    shutil.copytree(cached / "data", dest / "data")
+    write_params(dest, {"train": {**ELASTIC_TRAIN, **train}})
+    return dest
+
+
+@pytest.fixture(scope="session")
+def two_rank_workdir(tmp_path_factory, cached_workdir) -> Path:
+    """An uninterrupted single-node train run with 2 worker processes (world size 2) and ``ELASTIC_TRAIN``."""
+    work = elastic_workdir(cached_workdir, tmp_path_factory.mktemp("two_ranks"), {"nproc_per_node": 2})
+    run_stage("train", work)
+    return work

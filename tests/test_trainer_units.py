@@ -40,12 +40,17 @@ def test_model_kwargs_match_cache():
 
 
 def test_launch_args_from_params():
-    assert launch_args(Train(nproc_per_node=2)) == ["--standalone", "--nproc-per-node", "2", "-m", "stages.train"]
-    multi = launch_args(Train(nnodes=2, node_rank=1, rdzv_endpoint="10.0.0.5:29400"))
-    assert multi == ["--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.5", "--master-port", "29400",
-                     "--nproc-per-node", "1", "-m", "stages.train"]
-    with pytest.raises(ValueError):
-        Train(nnodes=2, node_rank=2)
+    multi = launch_args(Train(nnodes="1:2", nproc_per_node=2, rdzv_endpoint="10.0.0.5:29400", max_restarts=5),
+                        run_id="4711")
+    assert multi == ["--nnodes", "1:2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                     "10.0.0.5:29400", "--rdzv-id", "4711", "--rdzv-conf", "join_timeout=600,last_call_timeout=30",
+                     "--max-restarts", "5", "-m", "stages.train"]
+    # a loopback endpoint: the agent's stores and the workers' bootstrap address stay on 127.0.0.1
+    assert launch_args(Train(nnodes=2), "127.0.0.1:5000", "x")[-4:] == ["--local-addr", "127.0.0.1", "-m",
+                                                                         "stages.train"]
+    for bad in ("0", "2:1", "a", "1:2:3"):
+        with pytest.raises(ValueError):
+            Train(nnodes=bad)
 
 
 def test_rng_state_roundtrip_through_weights_only_load(tmp_path):

@@ -1,0 +1,244 @@
+"""Elastic launch (torchrun c10d rendezvous): a killed worker, a killed and restarted node, a world size that
+shrinks on restart; single-node stores on 127.0.0.1 only. Real trainings on COCO128 images, real processes
+killed with SIGKILL."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from conftest import elastic_workdir, stage_env, write_params
+from test_distributed import free_port
+
+
+def _start(work: Path, log: Path, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "stages.train"], cwd=work, env={**stage_env(), **(env or {})},
+                            stdout=open(log, "ab"), stderr=subprocess.STDOUT)
+
+
+def _ckpts(work: Path) -> list[Path]:
+    return sorted((work / "checkpoints").glob("ckpt-*.pt"))
+
+
+def _wait_for(path: Path, procs: list[subprocess.Popen], timeout: float = 400) -> None:
+    deadline = time.time() + timeout
+    while not path.exists():
+        assert all(p.poll() is None for p in procs), "training ended before it could be killed"
+        assert time.time() < deadline, f"{path} did not appear"
+        time.sleep(0.05)
+
+
+def _workers(agent_pid: int) -> dict[int, psutil.Process]:
+    """The agent's worker processes by local rank (read from their environment)."""
+    out = {}
+    for child in psutil.Process(agent_pid).children():
+        env = child.environ()
+        if "LOCAL_RANK" in env:
+            out[int(env["LOCAL_RANK"])] = child
+    return out
+
+
+def _finish(procs: list[subprocess.Popen], logs: list[Path], timeout: float = 600) -> list[str]:
+    for p in procs:
+        p.wait(timeout=timeout)
+    texts = [Path(l).read_text() for l in logs]
+    for p, text in zip(procs, texts):
+        assert p.returncode == 0, text[-4000:]
+    return texts
+
+
+def _assert_same_final_state(a_dir: Path, b_dir: Path) -> int:
+    a, b = torch.load(_ckpts(a_dir)[-1], weights_only=True), torch.load(_ckpts(b_dir)[-1], weights_only=True)
+    assert a["iter"] == b["iter"]
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
+    assert sa.keys() == sb.keys() and len(sa) > 0
+    for k in sa:
+        assert torch.equal(sa[k]["momentum_buffer"], sb[k]["momentum_buffer"]), k
+    return a["iter"]
+
+
+def _listening(pid: int) -> list[str]:
+    return sorted({c.laddr.ip for c in psutil.Process(pid).net_connections("tcp") if c.status == psutil.CONN_LISTEN})
+
+
+def test_plain_tcpstore_listens_on_all_interfaces():
+    """What the loopback check below guards against: torch's TCPStore server binds the wildcard address even when
+    asked for 127.0.0.1 (so `_listening` does detect a store open to the network)."""
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True)
+    assert _listening(os.getpid()) and set(_listening(os.getpid())) & {"0.0.0.0", "::"}, _listening(os.getpid())
+    del store
+
+
+@pytest.mark.slow
+def test_killed_worker_restarts_group_bit_identical(cached_workdir, tmp_path, two_rank_workdir):
+    """2(a): kill -9 of one worker mid-epoch -> torchrun restarts the worker group -> it resumes from the newest
+    checkpoint and ends with the weights and optimizer state of the uninterrupted run. The single-node job's
+    rendezvous stores listen on 127.0.0.1 only."""
+    work = elastic_workdir(cached_workdir, tmp_path / "killed", {"nproc_per_node": 2})
+    log = tmp_path / "killed.log"
+    agent = _start(work, log)
+    _wait_for(work / "checkpoints/ckpt-0000001.pt", [agent])  # iteration 1 = epoch 0, position 1 of 2
+    assert _listening(agent.pid) == ["127.0.0.1"], _listening(agent.pid)
+    victim = _workers(agent.pid)[1]
+    os.kill(victim.pid, signal.SIGKILL)
+    (text,) = _finish([agent], [log])
+    resumed = [l for l in text.splitlines() if "resuming from" in l]
+    assert "starting fresh" in text  # the first start; the restarted group then resumed mid-epoch 0:
+    assert len(resumed) == 1 and "(iteration 1)" in resumed[0], "the kill came too late: " + str(resumed)
+    final = _assert_same_final_state(two_rank_workdir, work)
+    assert final == 4
+    # the curves have one row per iteration: the restarted group did not log an iteration twice
+    rows = (work / "dvclive/plots/metrics/train/loss.tsv").read_text().splitlines()[1:]
+    assert [int(r.split("\t")[0]) for r in rows] == list(range(1, final + 1))
+
+
+@pytest.mark.slow
+def test_killed_node_rejoins_bit_identical(cached_workdir, tmp_path, two_rank_workdir):
+    """2(b): two torchrun agents ("nodes", 1 worker each) on 127.0.0.1 sharing a working directory (a shared
+    filesystem); node 1 is killed with SIGKILL mid-epoch (its worker dies with it) and started again: node 0's
+    agent restarts its worker, both meet at the next rendezvous round and finish bit-identical to a 2-process
+    run."""
+    port = free_port()
+    work = elastic_workdir(cached_workdir, tmp_path / "w", {"nnodes": 2, "rdzv_endpoint": f"127.0.0.1:{port}"})
+    logs = [tmp_path / "node0.log", tmp_path / "node1.log", tmp_path / "node1-again.log"]
+    node0 = _start(work, logs[0])
+    _wait_for_listener(port, node0)  # node 0's agent hosts the rendezvous store
+    node1 = _start(work, logs[1])
+    _wait_for(work / "checkpoints/ckpt-0000001.pt", [node0, node1])
+    os.kill(node1.pid, signal.SIGKILL)
+    node1.wait()
+    again = _start(work, logs[2])
+    texts = _finish([node0, again], [logs[0], logs[2]])
+    assert sum("resuming from" in t for t in texts) == 1
+    _assert_same_final_state(two_rank_workdir, work)
+
+
+def _wait_for_listener(port: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while True:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        assert proc.poll() is None and time.time() < deadline, "the rendezvous store did not start"
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_world_size_shrinks_every_sample_once(cached_workdir, tmp_path):
+    """2(c): nnodes 1:2, two agents; node 1 is killed mid-epoch and not restarted: node 0 goes on alone (world
+    size 2 -> 1) from the checkpoint. Every sample of the interrupted epoch is trained on exactly once (the
+    ranks' sample logs), and later epochs are whole epochs at world size 1."""
+    port = free_port()
+    work = elastic_workdir(cached_workdir, tmp_path / "w", {"nnodes": "1:2", "rdzv_endpoint": f"127.0.0.1:{port}",
+                                                  "rdzv_last_call_s": 15, "max_restarts": 1})
+    samples = tmp_path / "samples"
+    samples.mkdir()
+    env = {"DETPIPE_SAMPLE_LOG": str(samples)}
+    logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
+    # started together, so that both join the first round (MIN is 1: one alone would start after the last call)
+    nodes = [_start(work, logs[0], env), _start(work, logs[1], env)]
+    _wait_for(work / "checkpoints/ckpt-0000001.pt", nodes)  # epoch 0, position 1 of 2
+    assert torch.load(work / "checkpoints/ckpt-0000001.pt", weights_only=True)["world_size"] == 2
+    # kill the node that does not host the rendezvous store
+    host = [n for n in nodes if port in {c.laddr.port for c in psutil.Process(n.pid).net_connections("tcp")
+                                          if c.status == psutil.CONN_LISTEN}]
+    assert len(host) == 1
+    (other,) = [n for n in nodes if n is not host[0]]
+    os.kill(other.pid, signal.SIGKILL)
+    other.wait()
+    (text,) = _finish(host, [logs[nodes.index(host[0])]])
+    resumed = [l for l in text.splitlines() if "resuming from" in l]
+    assert len(resumed) == 1 and "(iteration 1)" in resumed[0], "the kill came too late: " + str(resumed)
+    assert "rank 0/1" in text
+    rows = [json.loads(l) for f in samples.glob("*.jsonl") for l in f.read_text().splitlines()]
+    trained = [r for r in rows if (r["world_size"] == 2 and r["iter"] < 1) or r["world_size"] == 1]
+    epoch0 = [i for r in trained if r["epoch"] == 0 for i in r["image_ids"]]
+    # an uninterrupted 2-rank epoch trains on 2 ranks x 2 iterations x 2 images = 8 distinct images
+    assert len(epoch0) == 8 and len(set(epoch0)) == 8, sorted(epoch0)
+    epoch1 = [i for r in trained if r["epoch"] == 1 for i in r["image_ids"]]
+    assert len(epoch1) == len(set(epoch1)) == 8  # world size 1: 4 iterations x 2 of the 9 images
+    # 1 iteration at world size 2, the 2 that finish epoch 0 at world size 1, then 4 for epoch 1
+    assert torch.load(work / "models/model.pt", weights_only=True)["iters"] == 7
+
+
+def test_epoch_plan_matches_plain_schedule_and_finishes_a_resized_epoch():
+    """`EpochPlan` without a change of world size is the plain ``divmod`` schedule; after one it finishes the
+    interrupted epoch first (its length read from the sampler) and then counts whole epochs."""
+    from detpipe.data import ResumableDistributedSampler
+    from detpipe.elastic import EpochPlan
+
+    plain = EpochPlan(iters_per_epoch=4, per_step=2)
+    assert [plain.locate(i) for i in range(9)] == [(i // 4, i % 4 * 2, 0) for i in range(9)]
+    assert plain.max_iter(3) == 12
+    sampler = ResumableDistributedSampler(16, 2, 1)
+    sampler.set_epoch(1, 6)  # 3 iterations into epoch 1: 2 indices (1 iteration) left
+    resumed = EpochPlan.resumed(7, sampler, 4, 2)
+    assert [resumed.locate(i) for i in (7, 8, 9)] == [(1, 6, 0), (2, 0, 0), (2, 2, 0)]
+    assert resumed.max_iter(3) == plain.max_iter(3)
+    # a sampler that still yields 6 indices of epoch 1 (e.g. loaded from a larger world size): 3 more iterations
+    shrunk = EpochPlan(4, 2, start_iter=5, epoch=1, start=0, first_iters=3, offset=4)
+    assert [shrunk.locate(i) for i in (5, 7, 8)] == [(1, 0, 4), (1, 4, 4), (2, 0, 0)]
+    assert shrunk.max_iter(3) == 5 + 3 + 4
+    with pytest.raises(ValueError):
+        shrunk.locate(4)
+
+
+def _rendezvous_free(argv: list[str]) -> list[str]:
+    """torchrun arguments with the values of --rdzv-endpoint and --rdzv-id blanked (they name the job's hosts)."""
+    return [("*" if i and argv[i - 1] in ("--rdzv-endpoint", "--rdzv-id") else a) for i, a in enumerate(argv)]
+
+
+@pytest.mark.parametrize("kind", ["k8s", "slurm"])
+def test_emitted_job_runs_the_local_launchers_command(tmp_path, monkeypatch, kind):
+    """``--emit k8s`` (a Kubeflow PyTorchJob) and ``--emit slurm`` run the torchrun command and environment the
+    local launcher builds from the same params; only the rendezvous host and id are the scheduler's."""
+    import shlex
+
+    import yaml
+
+    from detpipe.launch import launch_env
+    from detpipe.params import load
+    from stages.train import emit, launch_args
+
+    write_params(tmp_path, {"train": {"nnodes": "2:4", "nproc_per_node": 8, "max_restarts": 5, "threads": 2,
+                                      "rdzv_endpoint": "10.1.2.3:29500", "slurm_extra": ["--gres=gpu:8"]}})
+    monkeypatch.chdir(tmp_path)  # what `python -m stages.train --emit KIND` prints there (tests/test_slurm.py runs it)
+    cfg = load("train", tmp_path / "params.yaml")
+    text = emit(cfg, kind)
+    local, env = launch_args(cfg), launch_env(cfg)
+    if kind == "k8s":
+        job = yaml.safe_load(text)
+        worker = job["spec"]["pytorchReplicaSpecs"]["Worker"]
+        (container,) = worker["template"]["spec"]["containers"]
+        command = container["command"]
+        assert command[:3] == ["python", "-m", "torch.distributed.run"]
+        argv = command[3:]
+        assert {e["name"]: e["value"] for e in container["env"]} == env
+        name = job["metadata"]["name"]
+        assert argv[argv.index("--rdzv-endpoint") + 1] == f"{name}-worker-0:29500"
+        assert argv[argv.index("--rdzv-id") + 1] == name
+        assert job["spec"]["elasticPolicy"] == {"rdzvBackend": "c10d", "minReplicas": 2, "maxReplicas": 4,
+                                                "maxRestarts": 5, "nProcPerNode": 8}
+        assert worker["replicas"] == 4
+    else:
+        (srun,) = [l for l in text.splitlines() if l.startswith("srun ")]
+        words = shlex.split(srun)
+        argv = words[words.index("torch.distributed.run") + 1:]
+        assert argv[argv.index("--rdzv-endpoint") + 1] == "${RDZV_HOST}:29500"
+        assert argv[argv.index("--rdzv-id") + 1] == "${SLURM_JOB_ID}"
+        (export,) = [l for l in text.splitlines() if l.startswith("export ")]
+        assert dict(w.split("=", 1) for w in shlex.split(export)[1:]) == env
+        assert "#SBATCH --nodes=2-4" in text and "#SBATCH --gres=gpu:8" in text
+    assert _rendezvous_free(argv) == _rendezvous_free(local)
+    assert argv != local  # the comparison above is not vacuous: the scheduler's rendezvous address differs
