@@ -45,7 +45,8 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks._workdir import cached_workdir  # noqa: E402
 from detpipe import params as params_mod  # noqa: E402
-from stages.augment import build_cache, target_size  # noqa: E402
+from detpipe.augmentation import target_size  # noqa: E402
+from stages.augment import build_cache  # noqa: E402
 from detpipe.data import CachedDetectionDataset, collate  # noqa: E402
 
 

@@ -37,12 +37,12 @@ from torchvision.io import ImageReadMode, decode_jpeg
 from detpipe.io import filesystem as open_filesystem
 from detpipe.errors import StageError
 from detpipe.sampler import ResumableDistributedSampler
+from detpipe.cachefmt import INDEX_FILE
 from detpipe.streaming import ShardPrefetcher, redact, wait_for_shard
 
 __all__ = ["CachedDetectionDataset", "ResumableDistributedSampler", "collate", "uses_masks", "check_cache_masks",
            "read_meta", "micro_batches", "decode_images"]
 
-INDEX_FILE = "index.arrow"  # written by stages.augment (INDEX_SCHEMA)
 _INDEX_COLUMNS = ("image_id", "variant", "height", "width", "orig_height", "orig_width", "scale_y", "scale_x",
                   "offset_y", "offset_x", "boxes", "labels", "shard", "batch")
 _MASK_RULE = ("rule: mask models need a polygon or RLE segmentation for every non-crowd object; use data with "

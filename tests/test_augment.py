@@ -21,7 +21,9 @@ from torchvision.transforms.v2 import functional as TF
 
 from conftest import COCO128, REPO, run_stage, write_params
 from detpipe import params as params_mod
-from stages.augment import (INDEX_FILE, ZOOM_OUT_FILL, build_cache, process_image, target_size)
+from detpipe.augmentation import process_image, target_size
+from detpipe.cachefmt import INDEX_FILE, ZOOM_OUT_FILL
+from stages.augment import build_cache
 from detpipe.errors import StageError
 from detpipe.data import CachedDetectionDataset
 
