@@ -101,6 +101,19 @@ def _is_num(v) -> bool:
     return isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_)) and math.isfinite(v)
 
 
+
+def _referenced_image(rec: dict, images: dict, cat_ids, where: str, what: tuple[str, str], rule: str) -> dict:
+    """The image record ``rec["image_id"]`` names, after checking it and ``rec["category_id"]`` exist.
+    Raises `StageError` ``<where>: image_id X <what[0]> (rule: ...)`` (or the category's, with ``what[1]``)."""
+    iid = rec.get("image_id")
+    img = images.get(iid) if _is_int(iid) else None
+    if img is None:
+        raise StageError(f"{where}: image_id {iid!r} {what[0]} (rule: {rule.format('image_id')})")
+    cid = rec.get("category_id")
+    if not _is_int(cid) or int(cid) not in cat_ids:
+        raise StageError(f"{where}: category_id {cid!r} {what[1]} (rule: {rule.format('category_id')})")
+    return img
+
 def _check_box(bbox) -> str | None:
     """Return why ``bbox`` is not a COCO box ``[x, y, w, h]`` (4 finite numbers, w, h >= 0), or None."""
     if not isinstance(bbox, (list, tuple, np.ndarray)) or len(bbox) != 4:
@@ -186,21 +199,15 @@ def _prepare_gt(gt: dict, iou_type: str, src: str, mask_utils) -> tuple[dict, di
         if not isinstance(a, dict):
             raise StageError(f"{src}: annotations[{i}] is not a dict")
         rec_name = f"annotation id {a['id']}" if "id" in a else f"annotations[{i}]"
-        img = images.get(a.get("image_id")) if _is_int(a.get("image_id")) else None
-        if img is None:
-            raise StageError(f"{src}: {rec_name}: image_id {a.get('image_id')!r} is not in 'images' "
-                             f"(rule: every annotation's image_id is an image of the dataset)")
-        cid = a.get("category_id")
-        if not _is_int(cid) or int(cid) not in cats:
-            raise StageError(f"{src}: {rec_name}: category_id {cid!r} is not in 'categories' "
-                             f"(rule: every annotation's category_id is a listed category)")
+        img = _referenced_image(a, images, cats, f"{src}: {rec_name}", ("is not in 'images'", "is not in 'categories'"),
+                                "every annotation's {} is listed in the dataset")
         if (why := _check_box(a.get("bbox"))) is not None:
             raise StageError(f"{src}: {rec_name}: {why}")
         crowd = a.get("iscrowd", 0)
         if crowd not in (0, 1) or isinstance(crowd, float):
             raise StageError(f"{src}: {rec_name}: iscrowd {crowd!r} is not 0 or 1")
         bbox = [float(v) for v in a["bbox"]]
-        rec = {"id": len(anns) + 1, "image_id": img["id"], "category_id": int(cid), "bbox": bbox,
+        rec = {"id": len(anns) + 1, "image_id": img["id"], "category_id": int(a["category_id"]), "bbox": bbox,
                "iscrowd": int(crowd)}
         if iou_type == "segm":
             segm = a.get("segmentation")
@@ -234,19 +241,13 @@ def _prepare_dt(detections: list, iou_type: str, images: dict, cat_ids: set, src
     for i, d in enumerate(detections):
         if not isinstance(d, dict):
             raise StageError(f"{src}: detection {i}: not a dict")
-        iid = d.get("image_id")
-        img = images.get(iid) if _is_int(iid) else None
-        if img is None:
-            raise StageError(f"{src}: detection {i}: image_id {iid!r} is not an image of the ground truth "
-                             f"(rule: every detection's image_id must be in gt['images'])")
-        cid = d.get("category_id")
-        if not _is_int(cid) or int(cid) not in cat_ids:
-            raise StageError(f"{src}: detection {i}: category_id {cid!r} is not a category of the ground truth "
-                             f"(rule: every detection's category_id must be in gt['categories'])")
+        img = _referenced_image(d, images, cat_ids, f"{src}: detection {i}",
+                                ("is not an image of the ground truth", "is not a category of the ground truth"),
+                                "every detection's {} must be in the ground truth")
         score = d.get("score")
         if not _is_num(score):
             raise StageError(f"{src}: detection {i}: score {score!r} is not a finite number")
-        rec = {"id": i + 1, "image_id": img["id"], "category_id": int(cid), "score": float(score), "iscrowd": 0}
+        rec = {"id": i + 1, "image_id": img["id"], "category_id": int(d["category_id"]), "score": float(score), "iscrowd": 0}
         if iou_type == "bbox":
             if (why := _check_box(d.get("bbox"))) is not None:
                 raise StageError(f"{src}: detection {i}: {why} (rule: bbox detections carry a COCO [x, y, w, h] box)")

@@ -258,7 +258,7 @@ def _uncompressed(rle: dict) -> dict:
 @pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")  # pycocotools decode, numpy 2
 def test_segm_uncompressed_rle_detections(gt, dets, results):
     d = [dict(x, segmentation=_uncompressed(x["segmentation"])) for x in dets["segm"]]
-    _assert_same(coco_evaluate(gt, d, "segm"), results["segm", "pycocotools"])
+    _assert_same(coco_evaluate(gt, d, "segm", "pycocotools"), results["segm", "pycocotools"])
 
 
 # ------------------------------------------------------------------------------------------ errors
