@@ -8,7 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal, Optional
 
-import yaml
+from ruamel.yaml import YAML
+from ruamel.yaml.error import YAMLError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from detpipe.errors import StageError
@@ -172,10 +173,12 @@ def load(section: str | None = None, path: Path | str = PARAMS_FILE):
     """
     path = Path(path)
     try:
-        raw = yaml.safe_load(path.read_text())
+        # YAML 1.2 (ruamel), as DVC reads and writes params: its `-S` rewrites values unquoted, and YAML 1.1
+        # (PyYAML) would then read `off` as False and `24:00:00` or `1:2` as base-60 integers.
+        raw = YAML(typ="safe", pure=True).load(path.read_text())
     except FileNotFoundError:
         raise StageError(f"{path}: file not found (run from the repository root)") from None
-    except yaml.YAMLError as e:
+    except YAMLError as e:
         raise StageError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
     try:
         params = Params.model_validate(raw or {})

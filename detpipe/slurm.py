@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from detpipe.errors import StageError
+from detpipe.errors import Interrupted, StageError
 from detpipe.io import atomic_write_bytes
 from detpipe.launch import parse_nnodes
 
@@ -109,12 +109,8 @@ def cancel(job_id: str, timeout_s: float = 120) -> None:
     log.warning("slurm job %s still listed by squeue %.0f s after scancel", job_id, timeout_s)
 
 
-class _Stop(Exception):
-    pass
-
-
 def _raise_stop(signum, frame):
-    raise _Stop(signal.Signals(signum).name)
+    raise Interrupted(signum)
 
 
 def run_job(script_text: str, workdir: Path, poll_s: float = 1.0) -> None:
@@ -123,8 +119,9 @@ def run_job(script_text: str, workdir: Path, poll_s: float = 1.0) -> None:
     stage that way) the job is cancelled (`cancel`) before this returns.
 
     Raises:
-        StageError: sbatch failed; the job ended in another state (its state, exit code and log are named);
-            this process was stopped (the job is cancelled).
+        StageError: sbatch failed; the job ended in another state (its state, exit code and log are named).
+        Interrupted: SIGTERM/SIGINT stopped this process; the job was cancelled first (`detpipe.errors.run_stage`
+            then exits with 128 + signal).
     """
     logs = Path(workdir).resolve() / LOG_DIR
     script = logs / "train.sbatch"
@@ -142,12 +139,12 @@ def run_job(script_text: str, workdir: Path, poll_s: float = 1.0) -> None:
                 break
             time.sleep(poll_s)
         offset = _copy_new(log_path, offset)
-    except _Stop as e:
+    except Interrupted as e:
         if job_id is not None:
-            log.warning("%s: cancelling slurm job %s", e, job_id)
+            log.warning("%s: cancelling slurm job %s", signal.Signals(e.signum).name, job_id)
             cancel(job_id)
             _copy_new(logs / f"slurm-{job_id}.out", offset)
-        raise StageError(f"train stage stopped by {e}; slurm job {job_id} cancelled") from None
+        raise Interrupted(e.signum, f"in stage train; slurm job {job_id} cancelled") from None
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

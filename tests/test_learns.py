@@ -58,7 +58,7 @@ def corrupt_train_cache(work, how: str) -> None:
     """Rewrite ``data/cache/train/index.arrow`` (where the loader reads boxes and labels): ``labels+1`` maps
     label l of K classes to l mod K + 1; ``boxes*2`` doubles every XYXY coordinate."""
     path = work / "data" / "cache" / "train" / "index.arrow"
-    table = ipc.open_file(pa.memory_map(str(path))).read_all()
+    table = ipc.open_file(pa.BufferReader(path.read_bytes())).read_all()  # in memory: the file is rewritten
     num_classes = json.loads((work / "data" / "arrow" / "meta.json").read_text())["num_classes"] - 1
     if how == "labels+1":
         col = "labels"
@@ -69,8 +69,10 @@ def corrupt_train_cache(work, how: str) -> None:
     assert new != table.column(col).to_pylist()
     table = table.set_column(table.schema.get_field_index(col), table.schema.field(col),
                              pa.array(new, type=table.schema.field(col).type))
-    with ipc.new_file(str(path), table.schema) as writer:
+    tmp = path.with_suffix(".tmp")
+    with ipc.new_file(str(tmp), table.schema) as writer:
         writer.write_table(table)
+    tmp.replace(path)
 
 
 @pytest.mark.slow
