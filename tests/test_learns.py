@@ -1,5 +1,5 @@
 """Proof that the pipeline learns (issue 15.7): a torchvision detector trained by the real stages on a handful of
-COCO128 images fits them (AP50 on the same images above `AP50_MIN`), and the same run with the training cache's
+COCO128 images fits them (AP50 and AP on the same images above `AP50_MIN` and `AP_MIN`), and the same run with the training cache's
 labels shifted by one class, or its boxes scaled x2, does not (so a label or coordinate bug cannot pass).
 
 Everything runs through the stages' command lines (`python -m stages.<name>` in a work directory), so the test
@@ -24,8 +24,11 @@ from conftest import COCO128, run_stage, write_params
 IMAGE_IDS = (34, 42, 72, 263)
 ID_OFFSET = 10**6
 ITERATIONS = 150
-# Set from measurement (README, "Proof it learns"): the fitted run scores well above, the broken ones near 0.
+# Set from measurement (README, "Proof it learns"): clean AP50 0.875 / AP 0.550; labels+1 0.174 / 0.075;
+# boxes*2 0.563 / 0.211 (the objects are large: doubled boxes clipped to the image still overlap them by IoU >= 0.5,
+# so AP50 alone cannot tell; AP over IoU .5:.95 does).
 AP50_MIN = 0.5
+AP_MIN = 0.35
 
 
 def make_workdir(work):
@@ -78,7 +81,8 @@ def corrupt_train_cache(work, how: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("broken", [None, "labels+1", "boxes*2"])
 def test_detector_fits_a_handful_of_images(tmp_path, broken):
-    """Fits: AP50 >= AP50_MIN on the training images; with a corrupted training cache: AP50 < AP50_MIN."""
+    """Fits: AP50 >= AP50_MIN and AP >= AP_MIN on the training images; with a corrupted training cache one of
+    them falls below its threshold."""
     work = tmp_path / "w"
     work.mkdir()
     make_workdir(work)
@@ -89,10 +93,10 @@ def test_detector_fits_a_handful_of_images(tmp_path, broken):
     run_stage("train", work, timeout=1800)
     run_stage("evaluate", work)
     metrics = json.loads((work / "metrics" / "eval.json").read_text())
-    ap50 = metrics["bbox"]["AP50"]
+    ap50, ap = metrics["bbox"]["AP50"], metrics["bbox"]["AP"]
     print(f"{broken or 'clean'}: AP50 {ap50:.3f}, AP {metrics['bbox']['AP']:.3f}")
     assert metrics["num_images"] == len(IMAGE_IDS) and np.isfinite(ap50)
     if broken is None:
-        assert ap50 >= AP50_MIN, f"the detector did not fit {len(IMAGE_IDS)} images: AP50 {ap50:.3f}"
+        assert ap50 >= AP50_MIN and ap >= AP_MIN, f"the detector did not fit {len(IMAGE_IDS)} images: AP50 {ap50:.3f}, AP {ap:.3f}"
     else:
-        assert ap50 < AP50_MIN, f"trained on a {broken} cache, AP50 {ap50:.3f} still passes"
+        assert ap50 < AP50_MIN or ap < AP_MIN, f"trained on a {broken} cache, AP50 {ap50:.3f} / AP {ap:.3f} still pass"
