@@ -136,3 +136,19 @@ def two_rank_workdir(tmp_path_factory, cached_workdir) -> Path:
     work = elastic_workdir(cached_workdir, tmp_path_factory.mktemp("two_ranks"), {"nproc_per_node": 2})
     run_stage("train", work)
     return work
+
+
+def kill9_training_after(work: Path, checkpoint: str = "ckpt-0000002.pt", timeout_s: float = 300) -> None:
+    """Run ``python -m stages.train`` in ``work`` and ``kill -9`` it as soon as ``checkpoints/<checkpoint>``
+    exists (asserting training was still running then)."""
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "stages.train"], cwd=work, env=stage_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + timeout_s
+    while not (work / "checkpoints" / checkpoint).exists():
+        assert proc.poll() is None and time.time() < deadline, "training ended before it could be killed"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()

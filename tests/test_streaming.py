@@ -5,16 +5,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import run_stage, stage_env, write_params
+from conftest import kill9_training_after, run_stage, write_params
 from detpipe import params as params_mod
 from detpipe.data import CachedDetectionDataset, ResumableDistributedSampler, micro_batches
 from detpipe.errors import StageError
@@ -149,14 +146,7 @@ def test_kill9_resume_through_the_prefetcher_is_bit_identical(remote, cached_wor
     straight = node("straight")
     run_stage("train", straight)
     killed = node("killed")
-    proc = subprocess.Popen([sys.executable, "-m", "stages.train"], cwd=killed, env=stage_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while not (killed / "checkpoints/ckpt-0000002.pt").exists():
-        assert proc.poll() is None and time.time() < deadline, "training ended before it could be killed"
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    kill9_training_after(killed)
     ckpts = sorted((killed / "checkpoints").glob("ckpt-*.pt"))
     final = sorted((straight / "checkpoints").glob("ckpt-*.pt"))[-1]
     assert len(ckpts) < int(final.name[5:12]), "the kill came too late to test anything"

@@ -16,7 +16,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import run_stage, stage_env, write_params
+from conftest import kill9_training_after, run_stage, stage_env, write_params
 
 
 def _ckpts(work: Path) -> list[Path]:
@@ -88,14 +88,7 @@ def test_kill9_and_sigterm_resume_is_bit_identical(cached_workdir, tmp_path):
     run_stage("train", straight)
 
     killed = _copy(cached_workdir, tmp_path / "killed", overrides)
-    proc = subprocess.Popen([sys.executable, "-m", "stages.train"], cwd=killed, env=stage_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while not (killed / "checkpoints/ckpt-0000002.pt").exists():
-        assert proc.poll() is None and time.time() < deadline, "training ended before it could be killed"
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    kill9_training_after(killed)
     interrupted_at = len(_ckpts(killed))
     final_iter = int(_ckpts(straight)[-1].name[5:12])
     assert interrupted_at < final_iter, "the kill came too late to test anything"
