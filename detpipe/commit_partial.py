@@ -19,20 +19,27 @@ a pipeline stage ("overlaps with an output of stage"). DVC's Python API has the 
   call the unfinished stage up to date;
 * nothing goes into DVC's run-cache (a partial run must never be restored as a result).
 
-The stage's dependencies must all exist (their hashes are recorded, as for a finished run).
+The stage's dependencies must exist (their hashes are recorded, as for a finished run); with ``--deps-from-lock``
+a dependency that is another stage's output and not in the workspace gets the hash ``dvc.lock`` records for that
+output (`detpipe.remotes` snapshots a running training's checkpoints in a second worktree this way, without
+copying the training data).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
-def commit_partial(stage_name: str, root: str | None = None) -> tuple[list[str], list[str]]:
+def commit_partial(stage_name: str, root: str | None = None,
+                   deps_from_lock: bool = False) -> tuple[list[str], list[str]]:
     """Hash and cache the existing outputs of pipeline stage ``stage_name`` and write its ``dvc.lock`` entry.
 
     Args:
         stage_name: a stage of ``dvc.yaml`` (e.g. ``"train"``).
         root: repository root (default: found from the current directory).
+        deps_from_lock: a missing dependency that is another stage's output takes that output's hash from
+            ``dvc.lock`` instead of failing.
     Returns:
         ``(recorded, missing)``: output paths (as written in ``dvc.yaml``) recorded with their hash, and those
         that do not exist (recorded without a hash, so ``dvc status`` shows the stage as changed).
@@ -46,7 +53,7 @@ def commit_partial(stage_name: str, root: str | None = None) -> tuple[list[str],
 
     with Repo(root) as repo, repo.lock, repo.scm_context(quiet=True):
         stage = repo.stage.get_target(stage_name)
-        stage.save_deps()                           # raises if a dependency is missing
+        _save_deps(repo, stage, deps_from_lock)     # raises if a dependency is missing
         stage.save_outs(allow_missing=True)
         recorded, missing = [], []
         for out in stage.outs:
@@ -61,14 +68,42 @@ def commit_partial(stage_name: str, root: str | None = None) -> tuple[list[str],
     return recorded, missing
 
 
+def _save_deps(repo, stage, deps_from_lock: bool) -> None:
+    from dvc.exceptions import DvcException
+
+    if not deps_from_lock:
+        stage.save_deps()
+        return
+    recorded = [o for o in repo.index.outs if o.hash_info]
+    for dep in stage.deps:
+        if dep.exists:
+            dep.save()
+            continue
+        path = os.path.abspath(dep.fs_path)
+        for out in recorded:
+            top = os.path.abspath(out.fs_path)
+            if path == top:
+                dep.hash_info, dep.meta = out.hash_info, out.meta
+                break
+            if path.startswith(top + os.sep) and out.hash_info.isdir:   # a file inside a directory output
+                found = out.get_obj().get(tuple(os.path.relpath(path, top).split(os.sep)))
+                if found:
+                    dep.meta, dep.hash_info = found
+                    break
+        else:
+            raise DvcException(f"dependency '{dep.def_path}' does not exist and dvc.lock records no hash for it")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("stage", help="stage name in dvc.yaml, e.g. train")
+    parser.add_argument("--deps-from-lock", action="store_true",
+                        help="a missing dependency that is another stage's output takes its dvc.lock hash")
     args = parser.parse_args(argv)
     from dvc.exceptions import DvcException
 
     try:
-        recorded, missing = commit_partial(args.stage)
+        recorded, missing = commit_partial(args.stage, deps_from_lock=args.deps_from_lock)
     except DvcException as e:
         print(f"error: {args.stage}: {e}", file=sys.stderr)
         return 2

@@ -151,6 +151,7 @@ class Flows(_Section):
     retries: int = Field(default=1, ge=0, description='Retries of each stage task in the Prefect flow.')
     retry_delay_s: float = Field(default=10, ge=0, description="Seconds between a stage task's retries.")
     max_parallel: int = Field(default=1, ge=1, description="Flow runs (experiments) executed at once: the Prefect deployment's concurrency limit and a sweep's parallel runs.")
+    push_checkpoints_every: int = Field(default=1, ge=0, description="A run that syncs with the remotes (--source deployments) pushes training's checkpoints to the DVC remote, as a partial experiment on git's origin, every this many new checkpoints (0: only when the run ends or is interrupted); a retry on another worker resumes from the newest pushed one.")
 
 
 class Params(_Section):

@@ -7,6 +7,11 @@ starts from ``HEAD`` plus the user's current ``dvc.lock`` and ``cache: false`` o
 It is removed when the run ends successfully or is cancelled; a failed or crashed run's workspace (with its
 checkpoints) is kept, and a retry of the same flow run (same id) continues in it and removes it when it
 succeeds. ``git worktree list`` shows kept ones; ``git worktree remove --force <path>`` deletes one.
+
+A run that syncs with the team's remotes (`detpipe.remotes`) can instead start from an experiment commit an
+earlier attempt pushed: the workspace is then a worktree of that experiment's baseline with the experiment's
+files (params.yaml, dvc.lock, metrics) on top, as ``dvc exp apply`` leaves them, and ``dvc pull
+--allow-missing`` fetches every output ``dvc.lock`` records (the checkpoints of a partial training included).
 """
 from __future__ import annotations
 
@@ -71,12 +76,28 @@ def untracked_pipeline_files(root: Path) -> list[str]:
     return sorted(filter(None, out.split("\0")))
 
 
-def _create(root: Path, ws: Path, logger) -> None:
-    ws.parent.mkdir(parents=True, exist_ok=True)
-    _git(root, "worktree", "add", "--detach", str(ws), "HEAD")
-    cache = subprocess.run(dvc("cache", "dir"), cwd=root, capture_output=True, text=True, check=True).stdout
-    subprocess.run(dvc("config", "--local", "cache.dir", str((root / cache.strip()).resolve())), cwd=ws,
+def add_worktree(repo: Path, path: Path, rev: str = "HEAD") -> None:
+    """A detached git worktree of ``repo`` (a repository or one of its worktrees) at ``rev`` in ``path``, whose
+    DVC cache is ``repo``'s.
+
+    Raises:
+        subprocess.CalledProcessError: git or DVC failed.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _git(repo, "worktree", "add", "--detach", str(path), rev)
+    cache = subprocess.run(dvc("cache", "dir"), cwd=repo, capture_output=True, text=True, check=True).stdout
+    subprocess.run(dvc("config", "--local", "cache.dir", str((repo / cache.strip()).resolve())), cwd=path,
                    check=True, capture_output=True)
+
+
+def _create(root: Path, ws: Path, logger, experiment: str | None, pull: bool) -> None:
+    if experiment:
+        add_worktree(root, ws, f"{experiment}^")
+        _git(ws, "restore", f"--source={experiment}", "--worktree", "--", ".")
+        logger.info("workspace starts from experiment commit %s (files as `dvc exp apply` leaves them)", experiment)
+        run_logged(dvc("pull" if pull else "checkout", "--allow-missing"), ws, logger)
+        return
+    add_worktree(root, ws)
     for rel in ["dvc.lock", *pipeline_outs(root, cached=False)]:
         src = root / rel
         if src.is_dir():
@@ -96,9 +117,13 @@ def remove(root: Path, ws: Path) -> None:
 
 
 @contextlib.contextmanager
-def isolated(root: Path, run_id: str, logger) -> Iterator[Path]:
+def isolated(root: Path, run_id: str, logger, experiment: str | None = None, pull: bool = False) -> Iterator[Path]:
     """The workspace of flow run ``run_id`` for the block (created, or the one its failed attempt kept);
     removed afterwards unless the block raised an `Exception` (see the module docstring).
+
+    Args:
+        experiment: sha of an experiment commit (present in ``root``) a new workspace starts from.
+        pull: with ``experiment``, ``dvc pull --allow-missing`` what its ``dvc.lock`` records.
 
     Raises:
         subprocess.CalledProcessError: git or DVC could not create it.
@@ -108,7 +133,7 @@ def isolated(root: Path, run_id: str, logger) -> Iterator[Path]:
         logger.info("continuing in the workspace an earlier attempt of this run kept: %s", ws)
     else:
         remove(root, ws)
-        _create(root, ws, logger)
+        _create(root, ws, logger, experiment, pull)
         logger.info("isolated workspace for this run: %s (git worktree of %s, DVC cache shared)", ws, root)
     try:
         yield ws

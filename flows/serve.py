@@ -14,6 +14,10 @@ Trigger a run with ``prefect deployment run train/main --params '{"overrides": {
 
 ``python -m flows.serve --work-pool POOL`` instead registers ``train/main`` on a work pool (created as a
 ``process`` pool if missing) and exits; ``prefect worker start --pool POOL`` on each machine then runs it.
+``--source GIT_URL [--branch B]`` registers ``train/<B>`` (or ``--name``) whose workers clone that branch into a
+temporary folder: its runs sync with the remotes (``DETPIPE_SYNC=1``, `detpipe.remotes`). Each code source is
+its own deployment: a name already registered for another source (the checkout, another URL or branch) is
+refused, so a retry always runs the code its deployment names.
 
 The deployment's parameter schema lists every params.yaml key as an optional property of ``overrides``, with
 its type and bounds from `detpipe.params`, so the Prefect server rejects an unknown key or a bad value when the
@@ -29,6 +33,8 @@ from datetime import timedelta
 
 from detpipe import params as params_mod
 from detpipe.overrides import json_schema
+
+from detpipe.remotes import SYNC_ENV
 
 from flows.sweep import sweep
 from flows.train import DEFAULT_REPO, REPO_ENV, train
@@ -89,6 +95,31 @@ def max_parallel(limit: int | None) -> int:
     return limit or params_mod.load("flows", path=DEFAULT_REPO / "params.yaml").max_parallel
 
 
+def source_tag(source: str | None, branch: str | None) -> str:
+    """The tag naming a deployment's code source: ``source:checkout:<path>`` or ``source:<git url>@<branch>``."""
+    return f"source:{source}@{branch}" if source else f"source:checkout:{DEFAULT_REPO}"
+
+
+def claim(name: str, tag: str) -> None:
+    """Refuse (`SystemExit` with one line) to register ``train/<name>`` when it exists for another code source
+    than ``tag`` says (`source_tag`): registering would silently change which code its runs and retries use."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    async def existing() -> list[str] | None:
+        async with get_client() as client:
+            try:
+                return list((await client.read_deployment_by_name(f"train/{name}")).tags)
+            except ObjectNotFound:
+                return None
+
+    tags = asyncio.run(existing())
+    other = [t for t in tags or [] if t.startswith("source:") and t != tag]
+    if other:
+        raise SystemExit(f"error: deployment train/{name} runs code from {other[0][7:]}, not {tag[7:]}: register "
+                         "this source under its own name (--name)")
+
+
 def serve(name: str = "main", limit: int | None = None) -> None:
     """Register deployment ``train/<name>`` (at most `max_parallel` runs at once) and execute its runs here
     until interrupted (Prefect's ``serve``), with heartbeats and `ensure_zombie_automation`."""
@@ -96,16 +127,21 @@ def serve(name: str = "main", limit: int | None = None) -> None:
 
     os.environ.setdefault("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", str(HEARTBEAT_S))  # inherited by the runs
     ensure_zombie_automation()
-    deployment = train.to_deployment(name=name, description=DESCRIPTION, concurrency_limit=max_parallel(limit))
+    claim(name, source_tag(None, None))
+    deployment = train.to_deployment(name=name, description=DESCRIPTION, concurrency_limit=max_parallel(limit),
+                                     tags=[source_tag(None, None)])
     sweeps = sweep.to_deployment(name="sweep", description=SWEEP_DESCRIPTION)
     prefect_serve(with_schema(deployment), sweeps)
 
 
-def register_on_pool(pool: str, name: str = "main", source: str | None = None) -> None:
+def register_on_pool(pool: str, name: str | None = None, source: str | None = None,
+                     branch: str | None = None) -> str:
     """Register deployment ``train/<name>`` on work pool ``pool`` (created as type ``process`` if missing),
-    with the flow code taken from ``source``: this checkout by default, or a git URL for workers on other
-    machines."""
+    with the flow code taken from ``source``: this checkout by default (name ``main``), or branch ``branch``
+    (default ``main``) of a git URL for workers on other machines (name ``branch``; runs sync with the
+    remotes). Returns the deployment's name; raises `SystemExit` when `claim` refuses the name."""
     from prefect import deploy
+    from prefect.runner.storage import GitRepository
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import WorkPoolCreate
     from prefect.exceptions import ObjectAlreadyExists
@@ -118,29 +154,39 @@ def register_on_pool(pool: str, name: str = "main", source: str | None = None) -
             except ObjectAlreadyExists:
                 pass
 
+    branch = (branch or "main") if source else None
+    name = name or branch or "main"
+    tag = source_tag(source, branch)
+    claim(name, tag)
     asyncio.run(ensure_pool())
     ensure_zombie_automation()
-    flow = train.from_source(source=source or str(DEFAULT_REPO), entrypoint=ENTRYPOINT)
+    env = {"PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(HEARTBEAT_S)} | ({SYNC_ENV: "1"} if source else {})
+    code = GitRepository(url=source, branch=branch) if source else str(DEFAULT_REPO)
+    flow = train.from_source(source=code, entrypoint=ENTRYPOINT)
     deployment = flow.to_deployment(name=name, description=DESCRIPTION, concurrency_limit=max_parallel(None),
-                                    job_variables={"env": {"PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(HEARTBEAT_S)}})
+                                    job_variables={"env": env}, tags=[tag])
     deploy(with_schema(deployment), work_pool_name=pool, build=False, push=False, print_next_steps_message=False)
-    print(f"deployment train/{name} is on work pool '{pool}'; start a worker with: prefect worker start --pool {pool}")
+    print(f"deployment train/{name} ({tag[7:]}) is on work pool '{pool}'; start a worker with: "
+          f"prefect worker start --pool {pool}")
+    return name
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--name", default="main", help="deployment name (default main: train/main)")
+    parser.add_argument("--name", default=None,
+                        help="deployment name (default: main for this checkout, the branch for --source)")
     parser.add_argument("--limit", type=int, default=None,
                         help="most flow runs at once (default flows.max_parallel of params.yaml)")
     parser.add_argument("--work-pool", default=None, help="register on this work pool instead of serving")
     parser.add_argument("--source", default=None,
                         help="with --work-pool: where workers get the code (default this checkout; a git URL "
-                             "for other machines)")
+                             "for other machines: its runs pull from and push to the remotes)")
+    parser.add_argument("--branch", default=None, help="with --source: the branch workers clone (default main)")
     args = parser.parse_args(argv)
     if args.work_pool:
-        register_on_pool(args.work_pool, args.name, args.source)
+        register_on_pool(args.work_pool, args.name, args.source, args.branch)
     else:
-        serve(args.name, args.limit)
+        serve(args.name or "main", args.limit)
     return 0
 
 

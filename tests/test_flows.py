@@ -22,6 +22,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Iterator
 
 import jsonschema
 import psutil
@@ -211,11 +212,10 @@ def run_id(output: str) -> str:
     return m.group(1)
 
 
-@pytest.fixture(scope="module")
-def prefect(tmp_path_factory):
-    """``prefect server start --host 127.0.0.1`` on a free port (SQLite in a temporary PREFECT_HOME, analytics
-    off) and ``python -m flows.serve`` serving ``train/main``; both stopped at the end."""
-    home = tmp_path_factory.mktemp("prefect_home")
+@contextlib.contextmanager
+def prefect_server(home: Path) -> Iterator[Prefect]:
+    """``prefect server start --host 127.0.0.1`` on a free port (SQLite in ``home`` as PREFECT_HOME, analytics
+    and UI off), healthy; yields a `Prefect` whose ``procs`` (the server first) are all stopped at the end."""
     port = _free_port()
     env = {**stage_env(), "PREFECT_HOME": str(home), "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DVC_NO_ANALYTICS": "1", "PYTHONDONTWRITEBYTECODE": "1",
@@ -225,12 +225,13 @@ def prefect(tmp_path_factory):
            "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@localhost",
            "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@localhost"}
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
-    procs = []
+    p = Prefect(env, home)
+    home.mkdir(parents=True, exist_ok=True)
     try:
         with open(home / "server.log", "w") as log:
-            procs.append(subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-                                           "--port", str(port)], env=env, cwd=home, stdout=log,
-                                          stderr=subprocess.STDOUT, start_new_session=True))
+            p.procs.append(subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host",
+                                             "127.0.0.1", "--port", str(port)], env=env, cwd=home, stdout=log,
+                                            stderr=subprocess.STDOUT, start_new_session=True))
         deadline = time.monotonic() + 180
         while True:
             try:
@@ -239,21 +240,27 @@ def prefect(tmp_path_factory):
                         break
             except OSError:
                 pass
-            assert procs[0].poll() is None, (home / "server.log").read_text()[-3000:]
+            assert p.procs[0].poll() is None, (home / "server.log").read_text()[-3000:]
             assert time.monotonic() < deadline, "prefect server did not become healthy in 180 s"
             time.sleep(0.5)
-        p = Prefect(env, home)
-        p.procs = procs  # later serve processes join the list
+        yield p
+    finally:
+        for proc in reversed(p.procs):
+            _stop(proc)
+
+
+@pytest.fixture(scope="module")
+def prefect(tmp_path_factory):
+    """A Prefect server (`prefect_server`) and ``python -m flows.serve`` serving ``train/main``; both stopped
+    at the end."""
+    with prefect_server(tmp_path_factory.mktemp("prefect_home")) as p:
         p.serve()
         deadline = time.monotonic() + 120
         while p.cli("deployment", "inspect", "train/main", check=False).returncode != 0:
-            assert procs[1].poll() is None, (home / "serve.log").read_text()[-3000:]
+            assert p.procs[1].poll() is None, (p.logs / "serve.log").read_text()[-3000:]
             assert time.monotonic() < deadline, "deployment train/main not served in 120 s"
             time.sleep(1)
         yield p
-    finally:
-        for proc in reversed(procs):
-            _stop(proc)
 
 
 def make_repo(dest: Path, train: dict | None = None) -> Path:
@@ -460,7 +467,8 @@ def test_run_outputs_result_and_experiment(prefect, killed_run):
     assert exp["metrics"]["dvclive/metrics.json"]  # untracked `cache: false` metrics are in the experiment
 
     result = prefect.result(run)
-    assert result["experiment"] == "killed-run" and result["ref"] == "refs/exps/killed-run"
+    assert result["experiment"] == "killed-run" and result["ref"].endswith("/killed-run")
+    assert sh(["git", "show-ref", result["ref"]], repo).stdout.strip()  # the experiment's real git ref
     assert result["overrides"]["train.lr"] == 0.02 and result["metrics"] == eval_metrics["bbox"]
     assert list(result["stages"]) == ["download", "convert", "augment", "train", "evaluate", "export"]
     assert result["stages"]["download"] == "skipped" and result["stages"]["train"] == "ran"

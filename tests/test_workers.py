@@ -1,0 +1,274 @@
+"""Workers anywhere: runs of a ``--source`` deployment on a Prefect ``process`` work pool pull their inputs from
+and push their results to the team's remotes (`detpipe.remotes`).
+
+The slow tests stand up what a team has: a bare git repository as ``origin``, SeaweedFS as the DVC remote
+(``tests/s3server.py``), a Prefect server, a ``process`` work pool with two workers started from different
+directories, and ``train/main`` registered with ``python -m flows.serve --work-pool gpu --source <origin>``.
+Every run happens in the temporary clone a worker makes and deletes; what is left afterwards is only what was
+pushed. Fast tests check `detpipe.remotes.check` on small local repositories.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+import yaml
+
+from s3server import _free_ports, s3_server  # noqa: F401  (pytest fixture)
+from test_flows import make_repo, prefect_server
+from test_pipeline import sh
+
+from detpipe import remotes as rm
+
+TRAIN = {"epochs": 10, "checkpoint_every": 1}      # 20 iterations: room to kill the run after a pushed checkpoint
+A_OVERRIDES = {"train.lr": 0.02}
+B_OVERRIDES = {"train.lr": 0.02, "train.max_restarts": 1}   # a launch-only change: same training, other params
+
+
+# ---------------------------------------------------------------------------------------------- fast tests
+
+def _tiny_repo(path: Path) -> Path:
+    path.mkdir()
+    sh(["git", "init", "-q", "-b", "main"], path)
+    sh([sys.executable, "-m", "dvc", "init", "-q"], path)
+    sh(["git", "-c", "user.name=t", "-c", "user.email=t@l", "commit", "-qm", "init"], path)
+    return path
+
+
+def test_check_names_the_missing_setting(tmp_path):
+    """No git remote, no default DVC remote, a local DVC remote folder that does not exist: one line each,
+    naming the setting; a working pair passes and gives the remotes' URLs."""
+    repo = _tiny_repo(tmp_path / "repo")
+    with pytest.raises(rm.RemoteError, match=r"no git remote 'origin'"):
+        rm.check(repo)
+    sh(["git", "init", "-q", "--bare", str(tmp_path / "origin.git")], tmp_path)
+    sh(["git", "remote", "add", "origin", str(tmp_path / "origin.git")], repo)
+    with pytest.raises(rm.RemoteError, match=r"\.dvc/config: no default DVC remote \(core\.remote\)") as e:
+        rm.check(repo)
+    assert "\n" not in str(e.value)
+    sh([sys.executable, "-m", "dvc", "remote", "add", "-d", "team", str(tmp_path / "nowhere")], repo)
+    with pytest.raises(rm.RemoteError, match=r"DVC remote 'team': folder .*nowhere does not exist"):
+        rm.check(repo)
+    (tmp_path / "nowhere").mkdir()
+    got = rm.check(repo)
+    assert got.git_url == str(tmp_path / "origin.git") and got.dvc_url == str(tmp_path / "nowhere")
+    assert got.uri("0123456789abcdef") == f"{tmp_path / 'nowhere'}/files/md5/01/23456789abcdef"
+
+
+def test_check_unreachable_git_remote(tmp_path):
+    repo = _tiny_repo(tmp_path / "repo")
+    sh(["git", "remote", "add", "origin", str(tmp_path / "gone.git")], repo)
+    t0 = time.monotonic()
+    with pytest.raises(rm.RemoteError, match=r"git remote 'origin' \(.*gone\.git\) unreachable"):
+        rm.check(repo)
+    assert time.monotonic() - t0 < 10
+
+
+# ---------------------------------------------------------------------------------------------- the team
+
+def _worker(prefect, name: str, cwd: Path) -> subprocess.Popen:
+    cwd.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in prefect.env.items() if k != "PYTHONPATH"}    # code comes from the worker's clone
+    env["PREFECT_WORKER_QUERY_SECONDS"] = "2"
+    with open(prefect.logs / f"{name}.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", "gpu", "--name", name],
+                                env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    prefect.procs.append(proc)
+    return proc
+
+
+def _register(prefect, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flows.serve", "--work-pool", "gpu", *args], env=prefect.env,
+                          capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parent.parent)
+
+
+def _run(prefect, deployment: str, overrides: dict, name: str) -> str:
+    out = prefect.cli("deployment", "run", deployment, "--params", json.dumps({"overrides": overrides}),
+                      "--flow-run-name", name).stdout
+    from test_flows import run_id
+    return run_id(out)
+
+
+def _set_crashed(prefect, run: str) -> None:
+    code = ("import sys\nfrom prefect.client.orchestration import get_client\nfrom prefect.states import Crashed\n"
+            "with get_client(sync_client=True) as c:\n"
+            "    c.set_flow_run_state(sys.argv[1], Crashed(message='its worker was killed'), force=True)\n")
+    subprocess.run([sys.executable, "-c", code, run], env=prefect.env, check=True, timeout=120)
+
+
+def _remote_exps(origin: Path) -> dict[str, str]:
+    out = sh(["git", "ls-remote", str(origin), "refs/exps/*"], origin).stdout
+    return {ln.split("\t")[1].rsplit("/", 1)[1]: ln.split("\t")[0] for ln in out.splitlines()}
+
+
+def _procs_of(run: str) -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if p.environ().get("PREFECT__FLOW_RUN_ID") == run:
+                found.append(p)
+    return found
+
+
+@pytest.fixture(scope="module")
+def team(tmp_path_factory, s3_server):  # noqa: F811 - the fixture
+    """The team (see the module docstring) and runs A (completes) and B (its worker killed after a pushed
+    checkpoint, retried on the other worker); returns what the tests check."""
+    work = tmp_path_factory.mktemp("workers")
+    origin = work / "origin.git"
+    sh(["git", "init", "-q", "--bare", "-b", "main", str(origin)], work)
+    repo = make_repo(work / "repo", train=TRAIN)
+    bucket = s3_server.create_bucket()
+    sh(["dvc", "remote", "modify", "s3", "url", f"s3://{bucket}/dvc"], repo)
+    sh(["dvc", "remote", "modify", "s3", "endpointurl", s3_server.endpoint_url], repo)
+    sh(["dvc", "remote", "default", "s3"], repo)
+    sh(["git", "commit", "-qam", "team remote: SeaweedFS"], repo)
+    sh(["git", "remote", "add", "origin", str(origin)], repo)
+    sh(["git", "push", "-q", "origin", "main"], repo)
+    sh(["git", "checkout", "-q", "-b", "deadremote"], repo)
+    sh(["dvc", "remote", "modify", "s3", "endpointurl", f"http://127.0.0.1:{_free_ports(1)[0]}"], repo)
+    sh(["git", "commit", "-qam", "remote nobody answers"], repo)
+    sh(["git", "push", "-q", "origin", "deadremote"], repo)
+
+    with prefect_server(work / "prefect") as prefect:
+        prefect.env.update(s3_server.env())
+        url = f"file://{origin}"
+        registered = _register(prefect, "--source", url)
+        assert registered.returncode == 0, registered.stdout + registered.stderr
+        assert _register(prefect, "--source", url, "--branch", "deadremote").returncode == 0
+        refused = _register(prefect)       # the checkout under the same name train/main
+        workers = {w: _worker(prefect, w, work / f"{w}-cwd") for w in ("w1", "w2")}
+
+        a = _run(prefect, "train/main", A_OVERRIDES, "run-a")
+        final_a = prefect.wait_final(a, timeout=900)
+        b = _run(prefect, "train/main", B_OVERRIDES, "run-b")
+        deadline = time.monotonic() + 600
+        while "run-b" not in _remote_exps(origin):           # the first pushed checkpoint
+            assert time.monotonic() < deadline, prefect.logs_of(b)[-5000:]
+            assert prefect.flow_run(b)["state"]["type"] in ("SCHEDULED", "PENDING", "RUNNING"), \
+                prefect.logs_of(b)[-5000:]
+            time.sleep(0.2)
+        procs = _procs_of(b)
+        training = any("stages.train" in " ".join(p.cmdline()) for p in procs if p.is_running())
+        killed = next(w for w, proc in workers.items()
+                      if any(p.pid in {c.pid for c in psutil.Process(proc.pid).children(recursive=True)}
+                             for p in procs))
+        workers[killed].send_signal(signal.SIGKILL)
+        workers[killed].wait()
+        left = psutil.wait_procs(procs, timeout=40)[1]
+        _set_crashed(prefect, b)
+        first_attempt = prefect.logs_of(b)
+        prefect.cli("flow-run", "retry", b)
+        final_b = prefect.wait_final(b, timeout=900)
+        t0 = time.monotonic()
+        dead = _run(prefect, "train/deadremote", {}, "run-dead")
+        final_dead = prefect.wait_final(dead, timeout=300)
+        yield {"work": work, "origin": origin, "bucket": bucket, "env": s3_server.env(), "prefect": prefect,
+               "s3": s3_server,
+               "refused": refused, "a": a, "final_a": final_a, "result_a": prefect.result(a),
+               "logs_a": prefect.logs_of(a), "b": b, "final_b": final_b, "result_b": prefect.result(b),
+               "logs_b": prefect.logs_of(b), "first_attempt": first_attempt, "training_at_kill": training,
+               "killed": killed, "left": left,
+               "worker_logs": {w: (prefect.logs / f"{w}.log").read_text() for w in workers},
+               "dead": final_dead, "dead_s": time.monotonic() - t0, "dead_logs": prefect.logs_of(dead)}
+
+
+@pytest.mark.slow
+def test_source_run_is_pushed_and_pulled_in_a_fresh_clone(team):
+    """Run A completes in a worker's throw-away clone; its result and artifact name the experiment, its git
+    ref and S3 URIs (no local path); a fresh clone gets its metrics and model with ``dvc exp pull`` +
+    ``dvc exp apply`` + ``dvc pull``, hash-equal."""
+    assert team["final_a"]["state"]["type"] == "COMPLETED", team["logs_a"][-6000:]
+    result = team["result_a"]
+    assert result["experiment"] == "run-a" and result["ref"].startswith("refs/exps/")
+    assert result["git_remote"] == f"file://{team['origin']}"
+    assert result["dvc_remote"] == f"s3://{team['bucket']}/dvc"
+    model = result["outputs"]["models/model.pt"]
+    assert model["remote"] == f"s3://{team['bucket']}/dvc/files/md5/{model['md5'][:2]}/{model['md5'][2:]}"
+    artifact = team["prefect"].cli("artifact", "inspect", "train-results").stdout
+    for text in (json.dumps(result), artifact):     # no path of the worker's temporary clone (tmp...prefect/)
+        assert not re.search(r"tmp\w*prefect|\.dvc/(cache|tmp)|/files/md5/(?!.*s3://)", text.replace(
+            f"s3://{team['bucket']}/dvc/files/md5/", "S3")), text[:3000]
+    assert model["remote"] in artifact and "dvc exp pull origin run-a" in artifact
+    assert _remote_exps(team["origin"])["run-a"] == sh(["git", "ls-remote", str(team["origin"]), result["ref"]],
+                                                      team["work"]).stdout.split()[0]
+
+    clone = team["work"] / "fresh"
+    sh(["git", "clone", "-q", str(team["origin"]), str(clone)], team["work"])
+    env = {**os.environ, **team["env"]}
+    for cmd in (["exp", "pull", "origin", "run-a"], ["exp", "apply", "run-a"], ["pull"]):
+        proc = subprocess.run([sys.executable, "-m", "dvc", *cmd], cwd=clone, env=env, capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, (cmd, proc.stdout, proc.stderr)
+    assert hashlib.md5((clone / "models/model.pt").read_bytes()).hexdigest() == model["md5"]
+    assert json.loads((clone / "metrics/eval.json").read_text())["bbox"] == result["metrics"]
+    assert yaml.safe_load((clone / "params.yaml").read_text())["train"]["lr"] == 0.02
+
+
+@pytest.mark.slow
+def test_second_run_restores_the_unchanged_stages(team):
+    """Run B (only train params differ) starts in a fresh clone of origin: DVC restores download, convert
+    and augment from the remote run-cache instead of running them."""
+    for stage in ("download", "convert", "augment"):
+        assert f"Stage '{stage}' is cached - skipping run" in team["first_attempt"], stage
+        assert f"Running stage '{stage}'" not in team["first_attempt"], stage
+    assert "Running stage 'train'" in team["first_attempt"]
+
+
+@pytest.mark.slow
+def test_killed_worker_retry_resumes_on_the_other_worker_bit_identical(team):
+    """B's worker is killed (SIGKILL) mid-training after a checkpoint was pushed; the retry runs on the other
+    worker, starts from the pushed partial experiment, resumes training from its checkpoint and ends with
+    the same model bytes as the uninterrupted run A."""
+    assert team["training_at_kill"], team["first_attempt"][-4000:]
+    assert team["left"] == [], team["left"]                       # the run's processes died with the worker
+    other = ({"w1", "w2"} - {team["killed"]}).pop()
+    assert team["b"] in team["worker_logs"][other], team["worker_logs"][other][-3000:]
+    assert team["final_b"]["state"]["type"] == "COMPLETED", team["logs_b"][-6000:]
+    assert "experiment 'run-b' is on origin" in team["logs_b"], team["logs_b"][-6000:]
+    logs = team["logs_b"][team["logs_b"].index("experiment 'run-b' is on origin"):]      # the retry's
+    assert "resuming from checkpoints/ckpt-" in logs and "starting fresh" not in logs, logs[-6000:]
+    result_a, result_b = team["result_a"], team["result_b"]
+    assert result_b["overrides"] == B_OVERRIDES
+    a, b = (_load_from_s3(team["s3"], r["outputs"]["models/model.pt"]["remote"]) for r in (result_a, result_b))
+    assert b["params"]["max_restarts"] == 1 and a["params"]["max_restarts"] != 1   # the params B changed
+    assert a["iters"] == b["iters"] == 2 * TRAIN["epochs"]
+    assert a["model"].keys() == b["model"].keys()
+    for key, weight in a["model"].items():                                          # bit for bit
+        assert torch.equal(weight, b["model"][key]), key
+    assert result_b["metrics"] == result_a["metrics"]
+
+
+def _load_from_s3(server, uri: str) -> dict:
+    with server.filesystem().open(uri.removeprefix("s3://"), "rb") as f:
+        return torch.load(io.BytesIO(f.read()), map_location="cpu", weights_only=False)
+
+
+@pytest.mark.slow
+def test_each_source_its_own_deployment(team):
+    """Registering this checkout as train/main while train/main runs code from the git origin is refused."""
+    refused = team["refused"]
+    assert refused.returncode != 0
+    assert f"deployment train/main runs code from file://{team['origin']}@main" in refused.stderr, refused.stderr
+
+
+@pytest.mark.slow
+def test_unreachable_remote_fails_in_seconds(team):
+    """A run whose DVC remote does not answer fails before any stage, with one line naming the remote."""
+    assert team["dead"]["state"]["type"] == "FAILED"
+    message = team["dead"]["state"]["message"]
+    assert "DVC remote 's3' (s3://" in message and "unreachable" in message and "\n" not in message, message
+    assert "Running stage" not in team["dead_logs"]
+    assert team["dead_s"] < 90, team["dead_s"]          # worker poll + clone + the probe (5 s connect timeout)
