@@ -61,6 +61,16 @@ class Remotes:
         return f"{self.dvc_url.rstrip('/')}/files/md5/{md5[:2]}/{md5[2:]}"
 
 
+@dataclass(frozen=True)
+class Run:
+    """A flow run that syncs: its remotes, its experiment's name and its Prefect flow run id (which partial
+    experiments carry, so that only an attempt of the same flow run continues one)."""
+
+    remotes: Remotes
+    name: str
+    run_id: str
+
+
 def _git(cwd: Path, *args: str, timeout: float | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "GIT_TERMINAL_PROMPT": "0"})
@@ -132,22 +142,33 @@ def _exists(fs, path: str) -> bool | Exception:
         return e
 
 
-def find_experiment(root: Path, remotes: Remotes, name: str, logger) -> str | None:
-    """Fetch experiment ``name`` from the git remote if it is there (pushed by an earlier attempt of the run)
-    and return its commit sha, else None. Raises `RemoteError` when the remote cannot be listed."""
-    listing = _git(root, "ls-remote", remotes.git, "refs/exps/*", timeout=PROBE_TIMEOUT_S)
+def find_experiment(root: Path, run: Run, logger) -> str | None:
+    """Fetch experiment ``run.name`` from the git remote if an earlier attempt of this flow run pushed it there,
+    and return its commit sha; else None (an experiment of that name from another flow run is replaced at the
+    end, never continued). Raises `RemoteError` when the remote cannot be listed or fetched."""
+    git = run.remotes.git
+    listing = _git(root, "ls-remote", git, "refs/exps/*", timeout=PROBE_TIMEOUT_S)
     if listing.returncode:
-        raise RemoteError(f"git remote '{remotes.git}': {_first_line(listing.stderr)}")
-    refs = [ln.split("\t") for ln in listing.stdout.splitlines() if ln.endswith(f"/{name}")]
+        raise RemoteError(f"git remote '{git}': {_first_line(listing.stderr)}")
+    refs = [ln.split("\t") for ln in listing.stdout.splitlines() if ln.endswith(f"/{run.name}")]
     if not refs:
         return None
     sha, ref = refs[0]
-    fetched = _git(root, "fetch", "-q", remotes.git, f"+{ref}:{ref}", timeout=600)
+    fetched = _git(root, "fetch", "-q", git, f"+{ref}:{ref}", timeout=600)
     if fetched.returncode:
-        raise RemoteError(f"git fetch {remotes.git} {ref}: {_first_line(fetched.stderr)}")
-    logger.info("experiment '%s' is on %s (%s, pushed by an earlier attempt): continuing from it", name,
-                remotes.git, ref)
+        raise RemoteError(f"git fetch {git} {ref}: {_first_line(fetched.stderr)}")
+    message = _git(root, "log", "-1", "--format=%B", sha).stdout
+    if _owner(run.run_id) not in message:
+        logger.warning("experiment '%s' on %s (%s) is not from this flow run: starting anew (it is replaced "
+                       "when this run pushes)", run.name, git, ref)
+        return None
+    logger.info("experiment '%s' is on %s (%s, pushed by an earlier attempt of this flow run): continuing from it",
+                run.name, git, ref)
     return sha
+
+
+def _owner(run_id: str) -> str:
+    return f"flow run {run_id}"
 
 
 def push_stage(ws: Path, stage: str, logger) -> None:
@@ -174,8 +195,8 @@ def _identity(cwd: Path) -> list[str]:
     return ["-c", "user.name=detpipe", "-c", "user.email=detpipe@localhost"]
 
 
-def push_partial(ws: Path, name: str, remotes: Remotes, logger, training: bool = True) -> str | None:
-    """Push the state of workspace ``ws`` as (partial) experiment ``name``: its ``dvc.lock`` and params and,
+def push_partial(ws: Path, run: Run, logger, training: bool = True) -> str | None:
+    """Push the state of workspace ``ws`` as (partial) experiment ``run.name``: its ``dvc.lock`` and params and,
     with ``training`` (the train stage has not finished), the checkpoint files written so far, committed with
     `detpipe.commit_partial` in a second worktree ``<ws>.push`` (hard links; ``ws`` is not touched, so this is
     safe while training runs). Outputs go to the DVC remote, the commit to the git remote (forced).
@@ -212,18 +233,18 @@ def push_partial(ws: Path, name: str, remotes: Remotes, logger, training: bool =
         what = f"checkpoints up to {linked[-1]}" if linked else "finished stages"
         run_logged(["git", "add", "-A"], snap, logger)
         run_logged(["git", *_identity(snap), "commit", "-q", "--allow-empty", "-m",
-                    f"detpipe: partial run {name} ({what})"], snap, logger)
-        ref = f"refs/exps/{baseline[:2]}/{baseline[2:]}/{name}"
-        run_logged(["git", "push", "-q", "--force", remotes.git, f"HEAD:{ref}"], snap, logger)
-        logger.info("pushed %s as experiment '%s' (%s on %s, data on DVC remote %s)", what, name, ref,
-                    remotes.git_url, remotes.dvc_url)
+                    f"detpipe: partial run {run.name} ({what}; {_owner(run.run_id)})"], snap, logger)
+        ref = f"refs/exps/{baseline[:2]}/{baseline[2:]}/{run.name}"
+        run_logged(["git", "push", "-q", "--force", run.remotes.git, f"HEAD:{ref}"], snap, logger)
+        logger.info("pushed %s as experiment '%s' (%s on %s, data on DVC remote %s)", what, run.name, ref,
+                    run.remotes.git_url, run.remotes.dvc_url)
         return ref
     finally:
         remove(ws, snap)
 
 
 @contextlib.contextmanager
-def pushing_checkpoints(ws: Path, name: str, remotes: Remotes, every: int, logger) -> Iterator[None]:
+def pushing_checkpoints(ws: Path, run: Run, every: int, logger) -> Iterator[None]:
     """While the block runs (the train stage), `push_partial` each time ``every`` new checkpoint files have
     appeared in ``ws/checkpoints`` since the last push (``every`` 0: never). A failed push is logged as a
     warning and tried again at the next checkpoint: a remote hiccup must not stop the training."""
@@ -241,7 +262,7 @@ def pushing_checkpoints(ws: Path, name: str, remotes: Remotes, every: int, logge
             now = names()
             if len(now - seen) >= every:
                 try:
-                    push_partial(ws, name, remotes, logger)
+                    push_partial(ws, run, logger)
                     seen = now
                 except Exception as e:  # noqa: BLE001 - see docstring
                     logger.warning("checkpoint push failed (tried again at the next checkpoint): %s", e)
@@ -256,19 +277,19 @@ def pushing_checkpoints(ws: Path, name: str, remotes: Remotes, every: int, logge
 
 
 @contextlib.contextmanager
-def keeping(ws: Path, name: str, remotes: Remotes | None, finished: dict, logger) -> Iterator[None]:
-    """If the block fails or is interrupted (any exception, Prefect's cancellation included), push what the
-    run has as partial experiment ``name`` before the exception goes on: the stages in ``finished`` and, if
+def keeping(ws: Path, run: Run | None, finished: dict, logger) -> Iterator[None]:
+    """If the block fails or is interrupted (any exception, Prefect's cancellation included), push what
+    ``run`` has as partial experiment before the exception goes on: the stages in ``finished`` and, if
     ``train`` is not among them, its checkpoints. A failing push is logged, never hides the run's error."""
     try:
         yield
     except BaseException:
-        if remotes is not None:
+        if run is not None:
             try:
                 if not finished:
                     logger.info("nothing to push: no stage finished")
-                elif push_partial(ws, name, remotes, logger, training="train" not in finished) is None:
-                    push_partial(ws, name, remotes, logger, training=False)   # no checkpoint written yet
+                elif push_partial(ws, run, logger, training="train" not in finished) is None:
+                    push_partial(ws, run, logger, training=False)   # no checkpoint written yet
             except Exception as e:  # noqa: BLE001 - see docstring
                 logger.error("could not push the run's partial results: %s", e)
         raise

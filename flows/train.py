@@ -42,16 +42,16 @@ REPO_ENV = "DETPIPE_REPO"  # the repository the flow works on, when the ``repo``
 
 @task(name="stage", task_run_name="{stage}", retries=1, retry_delay_seconds=10, cache_policy=NO_CACHE,
       persist_result=False)
-def run_stage(stage: str, ws: str, sync: rm.Remotes | None = None, name: str = "", push_every: int = 0) -> str:
+def run_stage(stage: str, ws: str, sync: rm.Run | None = None, push_every: int = 0) -> str:
     """``dvc repro --single-item <stage>`` in workspace ``ws`` (its upstream stages are the earlier tasks); with
-    ``sync`` also ``--pull``, checkpoints pushed as experiment ``name`` every ``push_every`` while training,
+    ``sync`` also ``--pull``, checkpoints pushed as partial experiment every ``push_every`` while training,
     and the outputs pushed afterwards. Returns ``"ran"``, ``"restored"`` (from DVC's run-cache) or
     ``"skipped"`` (up to date). Raises `runs.CommandError`.
     First `detpipe.repo.repair` undoes what a killed DVC left (cut lock files, temporary folders)."""
     logger, ws = get_run_logger(), Path(ws)
     for note in repair(ws):
         logger.warning("repair: %s", note)
-    pushing = rm.pushing_checkpoints(ws, name, sync, push_every, logger) if sync and stage == "train" else None
+    pushing = rm.pushing_checkpoints(ws, sync, push_every, logger) if sync and stage == "train" else None
     with pushing or contextlib.nullcontext():
         lines = runs.run_logged(runs.dvc("repro", "--single-item", stage, *["--pull"] * bool(sync)), ws, logger)
     if sync:
@@ -62,7 +62,7 @@ def run_stage(stage: str, ws: str, sync: rm.Remotes | None = None, name: str = "
 
 
 @task(name="experiment", task_run_name="exp-save-{name}", retries=1, cache_policy=NO_CACHE, persist_result=False)
-def save_experiment(name: str, ws: str, sync: rm.Remotes | None = None) -> str:
+def save_experiment(name: str, ws: str, sync: rm.Run | None = None) -> str:
     """``dvc exp save --name <name> --force`` (a retry replaces its own experiment) with the pipeline's
     untracked files, with ``sync`` pushed (`detpipe.remotes.push_experiment`); returns the experiment's git ref."""
     args = ["exp", "save", "--name", name, "--force"]
@@ -72,7 +72,7 @@ def save_experiment(name: str, ws: str, sync: rm.Remotes | None = None) -> str:
     base = runs.run_logged(["git", "rev-parse", "HEAD"], Path(ws), get_run_logger())[-1]
     ref = f"refs/exps/{base[:2]}/{base[2:]}/{name}"
     if sync:
-        rm.push_experiment(Path(ws), ref, sync, get_run_logger())
+        rm.push_experiment(Path(ws), ref, sync.remotes, get_run_logger())
     return ref
 
 
@@ -81,7 +81,7 @@ def experiment_name(run_name: str | None) -> str:
     return re.sub(r"[^A-Za-z0-9_-]+", "-", run_name or "").strip("-") or "prefect-run"
 
 
-def summarize(ws: Path, stages: dict, experiment: str, ref: str, overrides: dict, sync: rm.Remotes | None) -> dict:
+def summarize(ws: Path, stages: dict, experiment: str, ref: str, overrides: dict, sync: rm.Run | None) -> dict:
     """The run's result: experiment, git ref, overrides, what each stage did, COCO bbox metrics, and each
     cached output's md5 and where it is: with ``sync`` its URI in the DVC remote and the git remote's URL,
     else its file in the shared DVC cache (``<cache>/files/md5/ab/cdef…``)."""
@@ -90,10 +90,10 @@ def summarize(ws: Path, stages: dict, experiment: str, ref: str, overrides: dict
     cached = set(workspace.pipeline_outs(ws, cached=True))
     outs = {o["path"]: o["md5"] for s in lock.values() for o in s.get("outs", []) if o["path"] in cached}
     files = {p: cache / "files" / "md5" / h[:2] / h[2:] for p, h in outs.items()}
-    where = (lambda p: {"remote": sync.uri(outs[p])}) if sync else (lambda p: {"cache": str(files[p])})
+    where = (lambda p: {"remote": sync.remotes.uri(outs[p])}) if sync else (lambda p: {"cache": str(files[p])})
     outputs = {p: {"md5": outs[p], **where(p)} for p, f in files.items() if f.is_file()}
     metrics = json.loads((ws / "metrics/eval.json").read_text()).get("bbox", {})
-    remote = {"git_remote": sync.git_url, "dvc_remote": sync.dvc_url} if sync else {}
+    remote = {"git_remote": sync.remotes.git_url, "dvc_remote": sync.remotes.dvc_url} if sync else {}
     return {"experiment": experiment, "ref": ref, **remote, "overrides": overrides, "stages": stages,
             "metrics": metrics, "outputs": outputs}
 
@@ -132,21 +132,21 @@ def train(overrides: dict[str, Any] | None = None, repo: str | None = None, upto
     logger = get_run_logger()
     root = workspace.resolve_repo(repo or os.environ.get(REPO_ENV) or DEFAULT_REPO, STAGES)
     overrides = ov.normalize(overrides)
-    name = experiment_name(flow_run.get_name())
-    remotes = rm.check(root) if sync or os.environ.get(rm.SYNC_ENV) == "1" else None
-    start = rm.find_experiment(root, remotes, name, logger) if remotes else None
+    name, run_id = experiment_name(flow_run.get_name()), str(flow_run.get_id())
+    syncing = sync or os.environ.get(rm.SYNC_ENV) == "1"
+    synced = rm.Run(rm.check(root), name, run_id) if syncing else None
+    start = rm.find_experiment(root, synced, logger) if synced else None
     stages: dict[str, str] = {}
-    with workspace.isolated(root, str(flow_run.get_id()), logger, start, bool(remotes)) as ws, \
-            rm.keeping(ws, name, remotes, stages, logger):
+    with workspace.isolated(root, run_id, logger, start, bool(synced)) as ws, rm.keeping(ws, synced, stages, logger):
         ov.apply(ws / "params.yaml", overrides)
         logger.info("params.yaml overrides of this run: %s", overrides)
         cfg = params_mod.load("flows", path=ws / "params.yaml")
         stage = run_stage.with_options(retries=cfg.retries, retry_delay_seconds=cfg.retry_delay_s)
         for s in STAGES[:STAGES.index(upto) + 1]:
-            stages[s] = stage(s, str(ws), remotes, name, cfg.push_checkpoints_every)
+            stages[s] = stage(s, str(ws), synced, cfg.push_checkpoints_every)
         if upto != STAGES[-1]:
             return None
-        result = summarize(ws, stages, name, save_experiment(name, str(ws), remotes), overrides, remotes)
+        result = summarize(ws, stages, name, save_experiment(name, str(ws), synced), overrides, synced)
     create_markdown_artifact(key="train-results", markdown=_markdown(result), description=f"experiment {name}")
     logger.info("result: %s", json.dumps(result))
     return result

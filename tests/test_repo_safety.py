@@ -177,7 +177,8 @@ def test_kill_anywhere_then_repair(work):
         n = (trial % 2) if trial % 3 else 10 + trial  # cached (0, 1) or new params (the stage runs)
         _set_n(work, n)
         what = _repro_killed(work, trigger)
-        assert not [p for p in psutil.process_iter(["cwd"]) if p.info["cwd"] and str(work) in p.info["cwd"]]
+        left = [p for p in psutil.process_iter(["cwd"]) if p.info["cwd"] and str(work) in p.info["cwd"]]
+        assert not psutil.wait_procs(left, timeout=10)[1]      # SIGKILLed group members may take a moment to go
         damage = _dvc_broken(work)
         if damage:
             if not broken:  # DVC itself is stuck until repaired
