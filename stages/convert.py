@@ -81,7 +81,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from detpipe.coco import Report, check_coco, index, load_json, split_ids
+from detpipe.coco import Report, check_coco, gc_paused, index, load_json, split_ids
 from detpipe.cocoarrow import SCHEMA, ShardResult, ShardTask, convert_shard, plan_shards
 from detpipe.errors import StageError, log, run_stage
 from detpipe.imageio import inspect_image
@@ -178,7 +178,8 @@ def convert(raw_root: Path | str, out_dir: Path | str, params: Convert, *, progr
     t0 = time.perf_counter()
     report = Report(params.strict)
     with process_pool(params.workers) as pool:
-        sources, categories, train_file, val_file = _sources(raw_root, params, report)
+        with gc_paused():               # after the fork: the workers keep their collector
+            sources, categories, train_file, val_file = _sources(raw_root, params, report)
         cat_ids = sorted(c["id"] for c in categories)
         labels = {cid: k + 1 for k, cid in enumerate(cat_ids)}
         names = {c["id"]: c["name"] for c in categories}

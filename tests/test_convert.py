@@ -188,6 +188,20 @@ def test_all_coco128_split_and_determinism(tmp_path):
     assert len(v_ids_1) == 26 and v_ids_1 != v_ids
 
 
+def test_collector_restored_after_convert(tmp_path, coco):
+    """convert pauses the cyclic garbage collector while it parses and indexes the JSON (`gc_paused`); it must
+    be running again afterwards, also when the JSON is rejected."""
+    import gc
+
+    raw = write_raw(tmp_path, subset(coco, BASE_IDS))
+    run(raw)
+    assert gc.isenabled()
+    (raw / ANN).write_text('{"images": [')
+    with pytest.raises(StageError, match="json_invalid"):
+        run(raw)
+    assert gc.isenabled()
+
+
 def test_split_ids_deterministic():
     ids = list(range(1000, 1100))[::-1]
     a, b = split_ids(ids, 0.25, 7), split_ids(ids, 0.25, 7)
