@@ -109,6 +109,16 @@ def _create(root: Path, ws: Path, logger, experiment: str | None, pull: bool) ->
         run_logged(dvc("checkout", "--allow-missing"), ws, logger)
 
 
+def experiment_lock(ws: Path):
+    """A lock (``filelock.FileLock``, held with ``with``) shared by all worktrees of ``ws``'s repository, for
+    ``dvc exp save``: DVC stages an experiment commit through refs shared by every worktree
+    (``refs/exps/exec/...``), so two runs saving at once in one repository could swap their experiments."""
+    from filelock import FileLock
+
+    common = _git(ws, "rev-parse", "--git-common-dir").stdout.strip()
+    return FileLock(str((ws / common).resolve() / "detpipe-exp-save.lock"))
+
+
 def remove(root: Path, ws: Path) -> None:
     """Delete workspace ``ws`` of repository ``root`` (worktree and its files)."""
     _git(root, "worktree", "remove", "--force", str(ws), check=False)

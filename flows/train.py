@@ -68,7 +68,8 @@ def save_experiment(name: str, ws: str, sync: rm.Run | None = None) -> str:
     args = ["exp", "save", "--name", name, "--force"]
     for path in workspace.untracked_pipeline_files(Path(ws)):
         args += ["--include-untracked", path]
-    runs.run_logged(runs.dvc(*args), Path(ws), get_run_logger())
+    with workspace.experiment_lock(Path(ws)):
+        runs.run_logged(runs.dvc(*args), Path(ws), get_run_logger())
     base = runs.run_logged(["git", "rev-parse", "HEAD"], Path(ws), get_run_logger())[-1]
     ref = f"refs/exps/{base[:2]}/{base[2:]}/{name}"
     if sync:

@@ -272,3 +272,21 @@ def test_unreachable_remote_fails_in_seconds(team):
     assert "DVC remote 's3' (s3://" in message and "unreachable" in message and "\n" not in message, message
     assert "Running stage" not in team["dead_logs"]
     assert team["dead_s"] < 60, team["dead_s"]          # the probe: 5 s connect timeout, botocore's retries
+
+
+@pytest.mark.slow
+def test_logs_follows_a_run_with_its_stages_output(team):
+    """``python -m flows.logs <name>`` prints the run's log with the stages' own output (both attempts) and
+    exits 0 for a Completed run; 2 for a run that does not exist."""
+    prefect = team["prefect"]
+    proc = subprocess.run([sys.executable, "-m", "flows.logs", "run-a", "--poll", "0.5"], env=prefect.env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    for line in ("Running stage 'convert'", "detpipe.hooks INFO saved checkpoint", "resuming from checkpoints/",
+                 "pushed checkpoints up to", "onnx parity"):
+        assert line in proc.stdout, line
+    for line in ("saved checkpoint", "Running stage", "files pushed"):       # each line once: none lost or doubled
+        assert proc.stdout.count(line) == team["logs_a"].count(line) > 0, line
+    missing = subprocess.run([sys.executable, "-m", "flows.logs", "no-such-run"], env=prefect.env,
+                             capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2 and "no flow run 'no-such-run'" in missing.stderr
