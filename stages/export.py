@@ -40,7 +40,8 @@ FILES = {"torch_export": "torch_export/model.pt2", "onnx": "model.onnx", "torchs
 def export(cfg: params_mod.Export, model_path: Path = MODEL, cache_dir: Path = CACHE_DIR,
            out_dir: Path = MODELS_DIR, arrow_dir: Path = ARROW_DIR, metrics_path: Path = METRICS,
            model: torch.nn.Module | None = None) -> dict:
-    """Write the files of `FILES` (TorchScript only with ``cfg.torchscript``), ``export_report.json`` and
+    """Write the files of `FILES` (TorchScript only with ``cfg.torchscript``, torch.export unless
+    ``cfg.torch_export`` is false), ``export_report.json`` and
     ``model_card.md`` into ``out_dir``, nothing unless every parity check passes; return the report.
 
     ``model``: export this module instead of the one in ``model_path`` (the eager reference stays the one in
@@ -69,7 +70,9 @@ def export(cfg: params_mod.Export, model_path: Path = MODEL, cache_dir: Path = C
         (tmp / "torchscript").mkdir()
         (tmp / "torch_export").mkdir()
         runners = {"onnx": lambda p: export_onnx(wrapper, images[0], p, cfg.opset)}
-        if torch_export_supported(target):
+        if not cfg.torch_export:
+            report["skipped"] = {"torch_export": "export.torch_export: false"}
+        elif torch_export_supported(target):
             runners["torch_export"] = lambda p: export_program(wrapper, images[0], p)
         else:
             report["unsupported"] = {"torch_export": TORCH_EXPORT_UNSUPPORTED}

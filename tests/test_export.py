@@ -10,6 +10,7 @@ import warnings
 import onnxruntime as ort
 import pytest
 import torch
+import yaml
 
 from conftest import run_stage, write_params
 from detpipe.data import CachedDetectionDataset, collate
@@ -41,6 +42,22 @@ def three_class_workdir(trained_workdir, tmp_path_factory):
     ckpt.update(model=model.state_dict(), config=model_config("ssdlite320_mobilenet_v3_large", 4))
     torch.save(ckpt, work / "models/model.pt")
     return work
+
+
+def test_torch_export_can_be_left_out(trained_workdir, tmp_path):
+    """``export.torch_export: false``: ONNX alone is written and checked, models/torch_export/ stays empty and
+    the report says why; the card does not offer the missing file."""
+    work = tmp_path / "w"
+    shutil.copytree(trained_workdir, work)
+    params = yaml.safe_load((work / "params.yaml").read_text())
+    params["export"]["torch_export"] = False
+    (work / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    run_stage("export", work)
+    report = json.loads((work / "models/export_report.json").read_text())
+    assert set(report["formats"]) == {"onnx"} and report["formats"]["onnx"]["raw"]["ok"]
+    assert report["skipped"] == {"torch_export": "export.torch_export: false"}
+    assert not any((work / "models/torch_export").iterdir())
+    assert "torch.export.load" not in (work / "models/model_card.md").read_text()
 
 
 def perturbed(work):

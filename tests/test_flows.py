@@ -264,9 +264,12 @@ def prefect(tmp_path_factory):
 
 
 def make_repo(dest: Path, train: dict | None = None) -> Path:
-    """A git copy of the repository with 12 images and tiny params (committed), pinned by the subset's sha256."""
+    """A git copy of the repository with 12 images and tiny params (committed), pinned by the subset's sha256;
+    export writes ONNX only (``export.torch_export: false``: torch.export is most of the stage's time, and
+    tests/test_export.py checks it)."""
     work = copy_repo(dest)
-    write_params(work, {"download": {"sha256": folder_sha256(work / "data" / "coco128")}, "train": train or {}})
+    write_params(work, {"download": {"sha256": folder_sha256(work / "data" / "coco128")}, "train": train or {},
+                        "export": {"torch_export": False}})
     sh(["git", "commit", "-qam", "tiny params"], work)
     return work
 
