@@ -177,9 +177,9 @@ def convert(raw_root: Path | str, out_dir: Path | str, params: Convert, *, progr
     raw_root, out_dir = Path(raw_root), Path(out_dir)
     t0 = time.perf_counter()
     report = Report(params.strict)
-    with process_pool(params.workers) as pool:
-        with gc_paused():               # after the fork: the workers keep their collector
-            sources, categories, train_file, val_file = _sources(raw_root, params, report)
+    with process_pool(params.workers) as pool, gc_paused() as parsed:  # after the fork: not the workers'
+        sources, categories, train_file, val_file = _sources(raw_root, params, report)
+        parsed()                        # the JSON lives until the end: frozen out of later collections
         cat_ids = sorted(c["id"] for c in categories)
         labels = {cid: k + 1 for k, cid in enumerate(cat_ids)}
         names = {c["id"]: c["name"] for c in categories}

@@ -189,17 +189,19 @@ def test_all_coco128_split_and_determinism(tmp_path):
 
 
 def test_collector_restored_after_convert(tmp_path, coco):
-    """convert pauses the cyclic garbage collector while it parses and indexes the JSON (`gc_paused`); it must
-    be running again afterwards, also when the JSON is rejected."""
+    """convert pauses the cyclic garbage collector while it parses and indexes the JSON, then freezes the parsed
+    objects (`gc_paused`); the collector must be running again afterwards with nothing left frozen, also when
+    the JSON is rejected."""
     import gc
 
+    frozen = gc.get_freeze_count()
     raw = write_raw(tmp_path, subset(coco, BASE_IDS))
     run(raw)
-    assert gc.isenabled()
+    assert gc.isenabled() and gc.get_freeze_count() == frozen
     (raw / ANN).write_text('{"images": [')
     with pytest.raises(StageError, match="json_invalid"):
         run(raw)
-    assert gc.isenabled()
+    assert gc.isenabled() and gc.get_freeze_count() == frozen
 
 
 def test_split_ids_deterministic():
