@@ -8,6 +8,10 @@ annotation ids), then
   number of workers (`detpipe.pool`, tasks of `FLOOR_CHUNK` files), nothing written; page cache warmed for
   both, runs interleaved, best of ``--repeat``; prints images/s of each and their ratio (goal >= 0.8: convert
   costs at most 25 % more than the decode it cannot avoid);
+* for information, a *decode + write floor*: the same pool and tasks, each also writing its files' bytes to one
+  new file (what convert must write at least, as Arrow shards), deleted before the next run like convert's
+  output. It shows what writing that much new data costs on this machine (a VM that backs fresh page-cache
+  pages lazily pays that on every run), a cost the validation floor never pays;
 * optionally (``--rss-sizes``) measures the peak RSS (largest process: the convert process or one of its
   workers, via ``resource.getrusage(RUSAGE_CHILDREN)`` in a fresh wrapper process) of a convert run at each
   size, next to the peak RSS of a process that only imports the stage and loads + checks the same JSON; the
@@ -115,14 +119,30 @@ def _decode_eighth(paths: list[str]) -> int:
     return len(paths)
 
 
-def validation_floor(folder: Path, workers: int) -> int:
-    """Decode every file of ``folder`` at 1/8 scale with ``workers`` processes (0 = here); nothing written."""
+def _decode_eighth_and_write(task: tuple[list[str], str]) -> int:
+    """`_decode_eighth` of ``task[0]``, then their bytes written, concatenated, to the new file ``task[1]``."""
+    paths, out = task
+    n = _decode_eighth(paths)
+    with open(out, "wb") as f:
+        for path in paths:
+            with open(path, "rb") as src:
+                f.write(src.read())
+    return n
+
+
+def validation_floor(folder: Path, workers: int, write_to: Path | None = None) -> int:
+    """Decode every file of ``folder`` at 1/8 scale with ``workers`` processes (0 = here); nothing written,
+    or with ``write_to`` (a new folder) also each task's file bytes to a file there. Returns the file count."""
     from detpipe.pool import bounded_map, process_pool
 
     paths = sorted(str(p) for p in folder.iterdir())
     chunks = [paths[i:i + FLOOR_CHUNK] for i in range(0, len(paths), FLOOR_CHUNK)]
     with process_pool(workers) as pool:
-        return sum(bounded_map(pool, _decode_eighth, chunks, 2 * max(1, workers), ordered=False))
+        if write_to is None:
+            return sum(bounded_map(pool, _decode_eighth, chunks, 2 * max(1, workers), ordered=False))
+        write_to.mkdir()
+        tasks = [(c, str(write_to / f"{k:05d}.bin")) for k, c in enumerate(chunks)]
+        return sum(bounded_map(pool, _decode_eighth_and_write, tasks, 2 * max(1, workers), ordered=False))
 
 
 CONVERT_CODE = ("import sys, json; from stages.convert import convert; from detpipe.params import Convert; "
@@ -159,14 +179,19 @@ def main() -> None:
 
         raw = raws[args.images]
         nbytes = warm(raw / "train2017")
-        out = tmp / "arrow"
-        floor_times, conv_times = [], []
-        for _ in range(args.repeat):      # interleaved, so both see the same load on a shared machine
+        out, written = tmp / "arrow", tmp / "written"
+        floor_times, conv_times, write_times = [], [], []
+        for _ in range(args.repeat):      # interleaved, so all see the same load on a shared machine
+            warm(raw / "train2017")
+            t = time.perf_counter()
+            assert validation_floor(raw / "train2017", workers, write_to=written) == args.images
+            write_times.append(time.perf_counter() - t)
+            shutil.rmtree(written)          # both outputs freed a floor's run before convert starts
+            shutil.rmtree(out, ignore_errors=True)
             warm(raw / "train2017")
             t = time.perf_counter()
             assert validation_floor(raw / "train2017", workers) == args.images
             floor_times.append(time.perf_counter() - t)
-            shutil.rmtree(out, ignore_errors=True)
             warm(raw / "train2017")
             conv_times.append(best_time(lambda: convert(raw, out, params, progress=False), 1))
         result = convert(raw, out, params, progress=False)
@@ -174,14 +199,18 @@ def main() -> None:
         assert rows == args.images, (rows, args.images)
         shutil.rmtree(out, ignore_errors=True)
 
-        floor_s, conv_s = min(floor_times), min(conv_times)
+        floor_s, conv_s, write_s = min(floor_times), min(conv_times), min(write_times)
         floor_ips, conv_ips = args.images / floor_s, args.images / conv_s
         print(f"images: {args.images} ({nbytes / 1e6:.1f} MB of image files), convert.workers={workers}, "
               f"shard_mb={params.shard_mb}, cpu cores={os.cpu_count()}")
         print(f"floor (1/8 decode, {workers} workers): best {floor_s:.3f} s  {floor_ips:8.1f} images/s  "
               f"(runs: {', '.join(f'{x:.3f}' for x in floor_times)})")
+        print(f"decode + write floor (info):   best {write_s:.3f} s  {args.images / write_s:8.1f} images/s  "
+              f"(runs: {', '.join(f'{x:.3f}' for x in write_times)})")
         print(f"convert:                       best {conv_s:.3f} s  {conv_ips:8.1f} images/s  "
               f"(runs: {', '.join(f'{x:.3f}' for x in conv_times)})")
+        print(f"convert / decode + write floor (info): {write_s / conv_s:.3f}; writing {nbytes / 1e6:.0f} MB "
+              f"of new files costs {write_s - floor_s:.2f} s here")
 
         for n in sorted(args.rss_sizes):
             out = tmp / f"arrow-rss-{n}"
