@@ -66,8 +66,11 @@ class EpochPlan:
 
     def max_iter(self, epochs: int) -> int:
         """Iteration count at the end of epoch ``epochs - 1`` (``epochs * iters_per_epoch`` without a change of
-        world size)."""
-        return self.start_iter + self.first_iters + max(0, epochs - self.epoch - 1) * self.iters_per_epoch
+        world size); ``start_iter`` when the plan starts at or after that end (a completed run resumed from its
+        last checkpoint, whose sampler already points at epoch ``epochs``, trains nothing more)."""
+        if self.epoch >= epochs:
+            return self.start_iter
+        return self.start_iter + self.first_iters + (epochs - self.epoch - 1) * self.iters_per_epoch
 
 
 def record_samples(it: int, epoch: int, rank: int, world_size: int, micro: list) -> None:

@@ -186,6 +186,10 @@ def test_epoch_plan_matches_plain_schedule_and_finishes_a_resized_epoch():
     resumed = EpochPlan.resumed(7, sampler, 4, 2)
     assert [resumed.locate(i) for i in (7, 8, 9)] == [(1, 6, 0), (2, 0, 0), (2, 2, 0)]
     assert resumed.max_iter(3) == plain.max_iter(3)
+    # the last checkpoint of a completed run: its sampler points at the start of epoch 3 -> nothing left to train
+    sampler.set_epoch(3, 0)
+    done = EpochPlan.resumed(12, sampler, 4, 2)
+    assert done.max_iter(3) == 12 and done.max_iter(4) == 16
     # a sampler that still yields 6 indices of epoch 1 (e.g. loaded from a larger world size): 3 more iterations
     shrunk = EpochPlan(4, 2, start_iter=5, epoch=1, start=0, first_iters=3, offset=4)
     assert [shrunk.locate(i) for i in (5, 7, 8)] == [(1, 0, 4), (1, 4, 4), (2, 0, 0)]

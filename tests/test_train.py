@@ -139,9 +139,14 @@ def test_kill9_and_sigterm_resume_is_bit_identical(cached_workdir, tmp_path):
 def test_resume_rules(trained_workdir, tmp_path):
     work = _copy(trained_workdir, tmp_path / "w")
     shutil.copytree(trained_workdir / "checkpoints", work / "checkpoints")
-    # same params: resumes at the end, nothing left to do
+    # same params: resumes at the end, nothing left to do (no extra epoch, the same model)
+    before = torch.load(trained_workdir / "models/model.pt", weights_only=True)
+    ckpts = [p.name for p in _ckpts(work)]
     same = run_stage("train", work)
     assert "resuming from" in same.stderr
+    after = torch.load(work / "models/model.pt", weights_only=True)
+    assert [p.name for p in _ckpts(work)] == ckpts and after["iters"] == before["iters"]
+    assert all(torch.equal(after["model"][k], v) for k, v in before["model"].items())
     # other params + must: a clear one-line error, exit 2
     write_params(work, {"train": {"lr": 0.02, "resume": "must"}})
     must = run_stage("train", work, check=False)
