@@ -25,20 +25,6 @@ TINY_PARAMS = {
 }
 
 
-# Test files that take minutes (.ci/run on the 2-core CI machine, pytest --durations), longest first. pyproject.toml
-# runs the suite on 2 pytest-xdist workers, one whole file at a time (--dist loadfile: module fixtures such as
-# test_workers' team are built once); starting these first keeps one long file from running alone at the end.
-LONG_FILES = ("test_flows.py", "test_workers.py", "test_learns.py", "test_remote.py", "test_export.py",
-              "test_pipeline.py", "test_elastic.py", "test_train.py", "test_masks.py", "test_repo_safety.py",
-              "test_distributed.py")
-
-
-def pytest_collection_modifyitems(items: list) -> None:
-    """Run `LONG_FILES` first, in that order; other files keep pytest's order (the sort is stable)."""
-    rank = {name: k for k, name in enumerate(LONG_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))
-
-
 def stage_env() -> dict:
     """Environment for running ``python -m stages.X`` outside the repository root."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
