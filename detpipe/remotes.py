@@ -40,10 +40,18 @@ GIT_REMOTE = "origin"
 SYNC_ENV = "DETPIPE_SYNC"      # "1" in a ``--source`` deployment's job environment: its runs always sync
 PROBE_TIMEOUT_S = 30.0
 POLL_S = 2.0                   # how often `pushing_checkpoints` looks for new checkpoint files
+LINK_ATTEMPTS = 5              # listings `link_checkpoints` tries when listed files vanish before their link
 
 
 class RemoteError(StageError):
     """A remote the run needs is not configured or not reachable; the message is one line naming the setting."""
+
+
+class CheckpointsVanished(StageError):
+    """`push_partial` of a running training found checkpoint files, but every one it listed was deleted before it
+    could be linked into the snapshot, over `LINK_ATTEMPTS` listings (the training's ``keep_last`` pruning
+    faster than the snapshot could take them, or its checkpoint folder emptied). Nothing is pushed: an empty
+    ``checkpoints/`` would replace the run's last pushed one. The message is one line naming the folder."""
 
 
 @dataclass(frozen=True)
@@ -195,20 +203,63 @@ def _identity(cwd: Path) -> list[str]:
     return ["-c", "user.name=detpipe", "-c", "user.email=detpipe@localhost"]
 
 
+def _checkpoint_files(directory: Path) -> list[Path]:
+    """``ckpt-NNNNNNN.pt`` files in ``directory`` (the names `detpipe.checkpoints.checkpoint_path` gives; its
+    temporary ``.ckpt-*.tmp-*`` files are not matched), oldest first; [] if there is no such folder."""
+    return sorted(directory.glob("ckpt-*.pt"))
+
+
+def link_checkpoints(src_dir: Path, dest_dir: Path, attempts: int = LINK_ATTEMPTS) -> list[str]:
+    """Hard-link the checkpoint files of ``src_dir`` into ``dest_dir`` (created if missing; must not hold files
+    of those names), newest first, listing ``src_dir`` right before linking.
+
+    A running training deletes its older checkpoints as it writes new ones (`detpipe.hooks.CheckpointHook`,
+    ``keep_last``; each file appears complete, by rename): a listed file may be gone when its turn comes. Then,
+    once the listing is done, ``src_dir`` is listed again and the files not yet linked are linked, up to
+    ``attempts`` listings in all. A linked file is safe from pruning (the link is a second name of its data).
+
+    Returns:
+        the names linked, oldest first ([] when none could be: no checkpoint, or every one vanished first).
+    Raises:
+        OSError: other than a listed file having vanished (e.g. ``dest_dir`` on another file system).
+    """
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    linked: set[str] = set()
+    for _ in range(max(1, attempts)):
+        vanished = False
+        for ckpt in reversed(_checkpoint_files(src_dir)):
+            if ckpt.name in linked:
+                continue
+            try:
+                os.link(ckpt, dest_dir / ckpt.name)
+            except FileNotFoundError:           # pruned (keep_last) since it was listed
+                vanished = True
+                continue
+            linked.add(ckpt.name)
+        if not vanished:
+            break
+    return sorted(linked)
+
+
 def push_partial(ws: Path, run: Run, logger, training: bool = True) -> str | None:
     """Push the state of workspace ``ws`` as (partial) experiment ``run.name``: its ``dvc.lock`` and params and,
     with ``training`` (the train stage has not finished), the checkpoint files written so far, committed with
     `detpipe.commit_partial` in a second worktree ``<ws>.push`` (hard links; ``ws`` is not touched, so this is
     safe while training runs). Outputs go to the DVC remote, the commit to the git remote (forced).
 
+    The checkpoints are listed and linked (`link_checkpoints`) once the worktree exists, not before: creating it
+    takes a second or more, in which the training writes new checkpoints and deletes the older ones.
+
     Returns:
         the experiment's git ref, or None when there is nothing to push (no dvc.lock, or ``training`` and no
-        checkpoint yet).
+        checkpoint yet; checked before the worktree is made).
     Raises:
+        CheckpointsVanished: ``training``, and every checkpoint file vanished before it could be linked (see
+            `link_checkpoints`); nothing was pushed, the experiment on the remotes is left as it was.
         detpipe.runs.CommandError: a DVC or git command failed.
     """
-    ckpts = sorted((ws / "checkpoints").glob("ckpt-*.pt")) if training else []
-    if (training and not ckpts) or not (ws / "dvc.lock").is_file():
+    ckpt_dir = ws / "checkpoints"
+    if (training and not _checkpoint_files(ckpt_dir)) or not (ws / "dvc.lock").is_file():
         return None
     from detpipe.workspace import add_worktree, remove
 
@@ -221,16 +272,17 @@ def push_partial(ws: Path, run: Run, logger, training: bool = True) -> str | Non
             shutil.copy2(ws / rel, snap / rel)
         with contextlib.suppress(OSError):    # curves so far (a resumed training rewrites them from its checkpoint)
             shutil.copytree(ws / "dvclive", snap / "dvclive", dirs_exist_ok=True)
-        linked = []
+        what = "finished stages"
         if training:
-            (snap / "checkpoints").mkdir(exist_ok=True)
-            for ckpt in ckpts:
-                with contextlib.suppress(FileNotFoundError):   # pruned by keep_last meanwhile
-                    os.link(ckpt, snap / "checkpoints" / ckpt.name)
-                    linked.append(ckpt.name)
+            linked = link_checkpoints(ckpt_dir, snap / "checkpoints")
+            if not linked:
+                raise CheckpointsVanished(
+                    f"{ckpt_dir}: every checkpoint file was deleted before it could be linked into the snapshot "
+                    f"({LINK_ATTEMPTS} listings); nothing pushed, the experiment on '{run.remotes.git}' is left "
+                    "as it was")
+            what = f"checkpoints up to {linked[-1]}"
             run_logged([sys.executable, "-m", "detpipe.commit_partial", "train", "--deps-from-lock"], snap, logger)
             run_logged(dvc("push", "train"), snap, logger)
-        what = f"checkpoints up to {linked[-1]}" if linked else "finished stages"
         run_logged(["git", "add", "-A"], snap, logger)
         run_logged(["git", *_identity(snap), "commit", "-q", "--allow-empty", "-m",
                     f"detpipe: partial run {run.name} ({what}; {_owner(run.run_id)})"], snap, logger)
@@ -247,7 +299,8 @@ def push_partial(ws: Path, run: Run, logger, training: bool = True) -> str | Non
 def pushing_checkpoints(ws: Path, run: Run, every: int, logger) -> Iterator[None]:
     """While the block runs (the train stage), `push_partial` each time ``every`` new checkpoint files have
     appeared in ``ws/checkpoints`` since the last push (``every`` 0: never). A failed push is logged as a
-    warning and tried again at the next checkpoint: a remote hiccup must not stop the training."""
+    warning and tried again at the next checkpoint: a remote hiccup, or checkpoints pruned faster than they
+    could be linked (`CheckpointsVanished`), must not stop the training."""
     if every <= 0:
         yield
         return
@@ -280,7 +333,11 @@ def pushing_checkpoints(ws: Path, run: Run, every: int, logger) -> Iterator[None
 def keeping(ws: Path, run: Run | None, finished: dict, logger) -> Iterator[None]:
     """If the block fails or is interrupted (any exception, Prefect's cancellation included), push what
     ``run`` has as partial experiment before the exception goes on: the stages in ``finished`` and, if
-    ``train`` is not among them, its checkpoints. A failing push is logged, never hides the run's error."""
+    ``train`` is not among them, its checkpoints. A failing push is logged, never hides the run's error.
+
+    With no checkpoint written yet, the finished stages alone are pushed. When the checkpoints vanished during
+    the push (`CheckpointsVanished`), nothing is: a push of the finished stages alone would replace the
+    checkpoints an earlier push (`pushing_checkpoints`) left on the remotes."""
     try:
         yield
     except BaseException:
@@ -290,6 +347,8 @@ def keeping(ws: Path, run: Run | None, finished: dict, logger) -> Iterator[None]
                     logger.info("nothing to push: no stage finished")
                 elif push_partial(ws, run, logger, training="train" not in finished) is None:
                     push_partial(ws, run, logger, training=False)   # no checkpoint written yet
+            except CheckpointsVanished as e:
+                logger.error("could not push the run's checkpoints: %s", e)
             except Exception as e:  # noqa: BLE001 - see docstring
                 logger.error("could not push the run's partial results: %s", e)
         raise
