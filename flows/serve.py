@@ -1,10 +1,11 @@
 """Serve the ``train`` flow as deployment ``train/main``: ``python -m flows.serve``.
 
-Crashes are told by Prefect's own mechanism: every flow run sends a heartbeat every `HEARTBEAT_S` seconds
-(``PREFECT_FLOWS_HEARTBEAT_FREQUENCY``), and the automation `ZOMBIE_AUTOMATION` (created here if missing, the
-recipe of https://docs.prefect.io/v3/advanced/detect-zombie-flows) marks a Running flow run Crashed when no
-heartbeat came for `ZOMBIE_AFTER_S` seconds. A run whose serve/worker process is killed dies with it
-(`detpipe.runs`), so it is Crashed at most ``ZOMBIE_AFTER_S`` + the server's trigger evaluation period (5 s)
+Crashes are told by Prefect's own mechanism: every flow run sends a heartbeat every `heartbeat_s` seconds
+(``PREFECT_FLOWS_HEARTBEAT_FREQUENCY``, default `HEARTBEAT_S` = 30, Prefect's minimum), and the automation
+`ZOMBIE_AUTOMATION` (created or updated here, the recipe of https://docs.prefect.io/v3/advanced/detect-zombie-flows)
+marks a Running flow run Crashed when no heartbeat came for `zombie_after_s` seconds (``DETPIPE_ZOMBIE_AFTER_S``,
+default `ZOMBIE_AFTER_S` = 90: three missed heartbeats). A run whose serve/worker process is killed dies with it
+(`detpipe.runs`), so it is Crashed at most ``zombie_after_s`` + the server's trigger evaluation period (5 s)
 after the kill; ``prefect flow-run retry <id>`` then resumes it. Runs at once: the deployment's
 ``concurrency_limit`` (``flows.max_parallel``); more wait in Prefect's AwaitingConcurrencySlot state.
 
@@ -40,14 +41,40 @@ from flows.sweep import sweep
 from flows.train import DEFAULT_REPO, REPO_ENV, train
 
 ENTRYPOINT = "flows/train.py:train"
-HEARTBEAT_S = 30           # Prefect's minimum
-ZOMBIE_AFTER_S = 90        # three missed heartbeats
+HEARTBEAT_S = 30           # default seconds between heartbeats: Prefect's minimum
+ZOMBIE_AFTER_S = 90        # default seconds without heartbeat before a run is Crashed: three missed heartbeats
+HEARTBEAT_ENV = "PREFECT_FLOWS_HEARTBEAT_FREQUENCY"   # Prefect's own setting (>= 30)
+ZOMBIE_ENV = "DETPIPE_ZOMBIE_AFTER_S"
 ZOMBIE_AUTOMATION = "detpipe: crash flow runs without heartbeat"
 
 
+def heartbeat_s() -> int:
+    """Seconds between a flow run's heartbeats: ``$PREFECT_FLOWS_HEARTBEAT_FREQUENCY``, else `HEARTBEAT_S`.
+    Raises `SystemExit` (one line) for a value that is not an integer >= 30 (Prefect's minimum)."""
+    value = os.environ.get(HEARTBEAT_ENV, str(HEARTBEAT_S))
+    if not value.strip().isdigit() or int(value) < 30:
+        raise SystemExit(f"error: {HEARTBEAT_ENV}={value!r}: expected whole seconds >= 30 (Prefect's minimum)")
+    return int(value)
+
+
+def zombie_after_s() -> int:
+    """Seconds without a heartbeat after which a Running flow run is marked Crashed: ``$DETPIPE_ZOMBIE_AFTER_S``,
+    else `ZOMBIE_AFTER_S` (at least three heartbeats when the heartbeat interval is longer than 30 s). Raises
+    `SystemExit` (one line) unless it is an integer longer than the heartbeat interval: a live run whose next
+    heartbeat is due would be marked Crashed."""
+    beat = heartbeat_s()
+    value = os.environ.get(ZOMBIE_ENV)
+    if value is None:
+        return max(ZOMBIE_AFTER_S, 3 * beat)
+    if not value.strip().isdigit() or int(value) <= beat:
+        raise SystemExit(f"error: {ZOMBIE_ENV}={value!r}: expected whole seconds longer than the heartbeat "
+                         f"interval ({beat} s)")
+    return int(value)
+
+
 def ensure_zombie_automation() -> None:
-    """Create `ZOMBIE_AUTOMATION` on the Prefect server unless one of that name exists: a proactive event
-    trigger per flow run expecting another heartbeat or a final state within `ZOMBIE_AFTER_S` seconds of
+    """Create `ZOMBIE_AUTOMATION` on the Prefect server (or update it when its threshold differs): a proactive
+    event trigger per flow run expecting another heartbeat or a final state within `zombie_after_s` seconds of
     each heartbeat, whose action sets the run Crashed."""
     from prefect.automations import Automation
     from prefect.client.schemas.objects import StateType
@@ -55,19 +82,26 @@ def ensure_zombie_automation() -> None:
     from prefect.events.schemas.automations import EventTrigger, Posture
     from prefect.events.schemas.events import ResourceSpecification
 
+    after_s = zombie_after_s()
     try:
-        Automation.read(name=ZOMBIE_AUTOMATION)
-        return
+        existing = Automation.read(name=ZOMBIE_AUTOMATION)
     except ValueError:
-        pass
+        existing = None
+    if existing is not None and existing.trigger.within == timedelta(seconds=after_s):
+        return
     final = {f"prefect.flow-run.{s}" for s in ("Completed", "Failed", "Cancelled", "Crashed")}
-    Automation(name=ZOMBIE_AUTOMATION, trigger=EventTrigger(
+    automation = Automation(name=ZOMBIE_AUTOMATION, trigger=EventTrigger(
         after={"prefect.flow-run.heartbeat"}, expect={"prefect.flow-run.heartbeat", *final},
         match=ResourceSpecification({"prefect.resource.id": ["prefect.flow-run.*"]}),
         for_each={"prefect.resource.id"}, posture=Posture.Proactive, threshold=1,
-        within=timedelta(seconds=ZOMBIE_AFTER_S)),
+        within=timedelta(seconds=after_s)),
         actions=[ChangeFlowRunState(state=StateType.CRASHED,
-                                    message=f"no heartbeat for {ZOMBIE_AFTER_S} s: its process died")]).create()
+                                    message=f"no heartbeat for {after_s} s: its process died")])
+    if existing is None:
+        automation.create()
+    else:
+        automation.id = existing.id
+        automation.update()
 
 
 def with_schema(deployment):
@@ -125,7 +159,7 @@ def serve(name: str = "main", limit: int | None = None) -> None:
     until interrupted (Prefect's ``serve``), with heartbeats and `ensure_zombie_automation`."""
     from prefect import serve as prefect_serve
 
-    os.environ.setdefault("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", str(HEARTBEAT_S))  # inherited by the runs
+    os.environ[HEARTBEAT_ENV] = str(heartbeat_s())  # inherited by the runs
     ensure_zombie_automation()
     claim(name, source_tag(None, None))
     deployment = train.to_deployment(name=name, description=DESCRIPTION, concurrency_limit=max_parallel(limit),
@@ -160,7 +194,7 @@ def register_on_pool(pool: str, name: str | None = None, source: str | None = No
     claim(name, tag)
     asyncio.run(ensure_pool())
     ensure_zombie_automation()
-    env = {"PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(HEARTBEAT_S)} | ({SYNC_ENV: "1"} if source else {})
+    env = {HEARTBEAT_ENV: str(heartbeat_s())} | ({SYNC_ENV: "1"} if source else {})
     code = GitRepository(url=source, branch=branch) if source else str(DEFAULT_REPO)
     flow = train.from_source(source=code, entrypoint=ENTRYPOINT)
     deployment = flow.to_deployment(name=name, description=DESCRIPTION, concurrency_limit=max_parallel(None),

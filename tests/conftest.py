@@ -1,73 +1,35 @@
-"""Shared fixtures: small real pipelines built from COCO128 images by running the stages' own CLIs."""
+"""Fixtures shared by the test modules; the helpers they use live in ``tests/support`` (no test module imports
+another). What is expensive is built once per test run and reused:
+
+* ``cached_workdir`` / ``trained_workdir`` / ``two_rank_workdir``: 12 COCO128 images through the real convert,
+  augment and train stages' CLIs (tiny params);
+* ``reproduced_repo``: a git + DVC copy of the repository after ``dvc repro`` of the whole default pipeline (12
+  images, tiny params): every test that needs pipeline outputs in a repository starts from a copy of it
+  (`support.repos.clone_with_cache`), so each stage's real run through DVC is proven once;
+* ``s3_server``: SeaweedFS S3; ``prefect_api``: one Prefect server for every Prefect test.
+
+Everything the tests start carries this run's token in its environment and dies with the pytest process,
+even a SIGKILLed one (`support.reaper`).
+"""
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
+from typing import Iterator
 
 import pytest
-import yaml
 
-REPO = Path(__file__).resolve().parent.parent
-COCO128 = REPO / "data" / "coco128"
-
-# Tiny settings: a few images, a few iterations; every stage still runs for real.
-TINY_PARAMS = {
-    "convert": {"val_fraction": 0.25, "workers": 0},
-    "augment": {"workers": 0},
-    "train": {"epochs": 2, "batch_size": 4, "checkpoint_every": 2, "warmup_iters": 1, "lr": 0.01,
-              "threads": 1},
-    "evaluate": {"batch_size": 4},
-    "export": {"num_images": 2},
-}
+from support.pipeline import elastic_workdir, make_coco_subset, stage_cli, write_params
+from support.procs import run
 
 
-def stage_env() -> dict:
-    """Environment for running ``python -m stages.X`` outside the repository root."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    # `python`, `dvc`, `torchrun` in subprocesses (e.g. dvc.yaml's commands) are this interpreter's
-    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
-    env.setdefault("AWS_EC2_METADATA_DISABLED", "true")
-    return env
-
-
-def run_stage(name: str, cwd: Path, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:
-    """Run ``python -m stages.<name>`` in ``cwd``; on unexpected failure show its stderr."""
-    proc = subprocess.run([sys.executable, "-m", f"stages.{name}"], cwd=cwd, env=stage_env(),
-                          capture_output=True, text=True, timeout=timeout)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"stages.{name} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    return proc
-
-
-def write_params(workdir: Path, overrides: dict | None = None) -> dict:
-    """Write ``params.yaml`` into ``workdir``: the repository's params with ``TINY_PARAMS`` and ``overrides``
-    merged per section. Returns the params dict."""
-    params = yaml.safe_load((REPO / "params.yaml").read_text())
-    for source in (TINY_PARAMS, overrides or {}):
-        for section, values in source.items():
-            params[section].update(values)
-    (workdir / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    return params
-
-
-def make_coco_subset(dest: Path, n_images: int = 12) -> dict:
-    """Copy the first ``n_images`` COCO128 images (sorted by id) with their annotations into ``dest`` in the
-    layout of ``data/raw`` (``annotations/instances_train2017.json``, ``train2017/``). Returns the JSON."""
-    src = json.loads((COCO128 / "annotations" / "instances_train2017.json").read_text())
-    images = sorted(src["images"], key=lambda im: im["id"])[:n_images]
-    ids = {im["id"] for im in images}
-    subset = {**src, "images": images, "annotations": [a for a in src["annotations"] if a["image_id"] in ids]}
-    (dest / "annotations").mkdir(parents=True, exist_ok=True)
-    (dest / "train2017").mkdir(parents=True, exist_ok=True)
-    (dest / "annotations" / "instances_train2017.json").write_text(json.dumps(subset))
-    for im in images:
-        shutil.copyfile(COCO128 / "train2017" / im["file_name"], dest / "train2017" / im["file_name"])
-    return subset
+def pytest_configure(config):
+    # Tag everything the tests start (os.environ["DETPIPE_TEST_RUN"]) and start a watchdog that kills it when
+    # this pytest process exits, even by SIGKILL. Main process only, not in an xdist worker.
+    if not hasattr(config, "workerinput"):
+        from support import reaper
+        reaper.start()
 
 
 @pytest.fixture(scope="session")
@@ -77,8 +39,8 @@ def cached_workdir(tmp_path_factory) -> Path:
     work = tmp_path_factory.mktemp("cached")
     write_params(work)
     make_coco_subset(work / "data" / "raw")
-    run_stage("convert", work)
-    run_stage("augment", work)
+    stage_cli("convert", work)
+    stage_cli("augment", work)
     return work
 
 
@@ -87,68 +49,54 @@ def trained_workdir(tmp_path_factory, cached_workdir) -> Path:
     """A copy of `cached_workdir` after the real train stage (tiny params, 1 process)."""
     work = tmp_path_factory.mktemp("trained")
     shutil.copytree(cached_workdir, work, dirs_exist_ok=True)
-    run_stage("train", work)
+    stage_cli("train", work)
     return work
-
-
-def recalibrated_model(work: Path):
-    """Load ``work/models/model.pt`` and recalibrate its BatchNorm statistics on the training cache (cumulative
-    average over all images). After a few tiny training steps the running statistics are still near their initial
-    values, so outputs barely depend on the image; tests that need image-dependent, well-separated scores (export
-    parity) start from this and sharpen the logits. Returns ``(model in eval mode, checkpoint dict)``."""
-    import torch
-    from detpipe.data import CachedDetectionDataset
-    from detpipe.models import build_from_config
-
-    ckpt = torch.load(work / "models/model.pt", weights_only=True)
-    model = build_from_config(ckpt["config"])
-    model.load_state_dict(ckpt["model"])
-    model.eval()
-    bns = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
-    for m in bns:
-        m.reset_running_stats()
-        m.momentum = None
-        m.train()
-    train = CachedDetectionDataset(work / "data/cache", "train")
-    with torch.no_grad():
-        model([train[i][0] for i in range(len(train))])
-    for m in bns:
-        m.eval()
-    return model, ckpt
-
-
-# Elastic and Slurm tests (tests/test_elastic.py, tests/test_slurm.py): 9 training images, 2 per micro-batch,
-# a checkpoint per iteration: 2 iterations per epoch with 2 ranks, 4 with 1.
-ELASTIC_TRAIN = {"epochs": 2, "batch_size": 2, "checkpoint_every": 1, "keep_last": 50, "threads": 1,
-                 "warmup_iters": 1}
-
-
-def elastic_workdir(cached: Path, dest: Path, train: dict) -> Path:
-    """A copy of `cached_workdir`'s data with params ``ELASTIC_TRAIN`` + ``train``."""
-    shutil.copytree(cached / "data", dest / "data")
-    write_params(dest, {"train": {**ELASTIC_TRAIN, **train}})
-    return dest
 
 
 @pytest.fixture(scope="session")
 def two_rank_workdir(tmp_path_factory, cached_workdir) -> Path:
     """An uninterrupted single-node train run with 2 worker processes (world size 2) and ``ELASTIC_TRAIN``."""
     work = elastic_workdir(cached_workdir, tmp_path_factory.mktemp("two_ranks"), {"nproc_per_node": 2})
-    run_stage("train", work)
+    stage_cli("train", work)
     return work
 
 
-def kill9_training_after(work: Path, checkpoint: str = "ckpt-0000002.pt", timeout_s: float = 300) -> None:
-    """Run ``python -m stages.train`` in ``work`` and ``kill -9`` it as soon as ``checkpoints/<checkpoint>``
-    exists (asserting training was still running then)."""
-    import signal
-    import time
+# The default pipeline's params in `reproduced_repo`: a 12-image dataset (pinned by its sha256), one epoch.
+REPRODUCED_PARAMS = {"train": {"epochs": 1}}
 
-    proc = subprocess.Popen([sys.executable, "-m", "stages.train"], cwd=work, env=stage_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + timeout_s
-    while not (work / "checkpoints" / checkpoint).exists():
-        assert proc.poll() is None and time.time() < deadline, "training ended before it could be killed"
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+
+@pytest.fixture(scope="session")
+def reproduced_repo(tmp_path_factory) -> Path:
+    """A git + DVC copy of the repository (`support.repos.make_repo` with ``REPRODUCED_PARAMS`` and the default
+    export, torch.export included) after ``dvc repro`` of the whole pipeline, the run committed ("pipeline
+    run"). Tests must not modify it: copy it with `support.repos.clone_with_cache`."""
+    from support.repos import make_repo
+
+    repo = make_repo(tmp_path_factory.mktemp("reproduced") / "repo", train=REPRODUCED_PARAMS["train"],
+                     export={"torch_export": True})
+    run(["dvc", "repro"], repo)
+    run(["git", "add", "-A"], repo)
+    run(["git", "commit", "-qm", "pipeline run"], repo)
+    return repo
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """Session-scoped SeaweedFS S3 server on 127.0.0.1 (`support.s3server.running_s3_server`); yields an
+    `support.s3server.S3Server`."""
+    from support.s3server import running_s3_server
+
+    os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
+    with running_s3_server(tmp_path_factory.mktemp("s3server")) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def prefect_api(tmp_path_factory) -> Iterator:
+    """One Prefect server for every Prefect test of the run (`support.prefect.prefect_server`: SQLite in a
+    temporary ``PREFECT_HOME``, a free loopback port, the shortest safe heartbeat settings); yields its
+    `support.prefect.Prefect`. Modules add their serve/worker processes to ``procs`` and stop them at their end."""
+    from support.prefect import prefect_server
+
+    with prefect_server(tmp_path_factory.mktemp("prefect_home")) as prefect:
+        yield prefect

@@ -19,7 +19,8 @@ from torchvision.models.detection import fasterrcnn_mobilenet_v3_large_fpn, ssdl
 from torchvision.models.detection.transform import _resize_image_and_masks
 from torchvision.transforms.v2 import functional as TF
 
-from conftest import COCO128, REPO, run_stage, write_params
+from support.pipeline import COCO128, stage_cli, write_params
+from support.procs import REPO
 from detpipe import params as params_mod
 from detpipe.augmentation import process_image, target_size
 from detpipe.cachefmt import INDEX_FILE, ZOOM_OUT_FILL
@@ -293,7 +294,7 @@ def test_undecodable_image_is_a_one_line_error_and_nothing_is_written(cached_wor
 
 def test_stage_cli_without_converted_data_fails_with_one_line(tmp_path):
     write_params(tmp_path)
-    proc = run_stage("augment", tmp_path, check=False)
+    proc = stage_cli("augment", tmp_path, check=False)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == "error: data/arrow/meta.json: not found (run the convert stage first)"
     assert not (tmp_path / "data/cache").exists()

@@ -11,7 +11,8 @@ import sys
 import pytest
 import torch
 
-from conftest import run_stage, stage_env, write_params
+from support.pipeline import stage_cli, write_params
+from support.procs import stage_env
 
 
 def free_port() -> int:
@@ -57,7 +58,7 @@ def test_two_node_job_keeps_ranks_equal(cached_workdir, tmp_path):
 def test_single_node_two_processes(cached_workdir, tmp_path):
     work = _node(cached_workdir, tmp_path / "w", {"train": {"nproc_per_node": 2, "epochs": 1, "batch_size": 2,
                                                             "threads": 1}})
-    proc = run_stage("train", work)
+    proc = stage_cli("train", work)
     d = _digests(proc.stderr)
     assert set(d) == {0, 1} and d[0] == d[1]
 
@@ -67,7 +68,7 @@ def test_non_finite_losses_stop_training(cached_workdir, tmp_path):
     a one-line error once train.max_bad_steps is exceeded."""
     work = _node(cached_workdir, tmp_path / "w", {"train": {"lr": 1e30, "warmup_iters": 0, "max_bad_steps": 1,
                                                             "epochs": 10}})
-    proc = run_stage("train", work, check=False)
+    proc = stage_cli("train", work, check=False)
     assert proc.returncode == 2, proc.stderr[-2000:]
     errors = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
     assert any("non-finite loss" in e and "train.max_bad_steps=1" in e for e in errors), proc.stderr[-2000:]

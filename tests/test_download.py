@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import io
 import logging
-import os
 import socket
 import subprocess
 import sys
@@ -26,11 +25,7 @@ from detpipe.errors import StageError
 from detpipe.fetch import extract, fetch, http_fetch
 from detpipe.io import folder_sha256
 from stages.download import download
-
-try:
-    from s3server import s3_server  # noqa: F401  (pytest fixture; tests/ is on sys.path under pytest)
-except ImportError:                  # tests/ imported as a package
-    from tests.s3server import s3_server  # noqa: F401
+from support.procs import run
 
 REPO = Path(__file__).resolve().parents[1]
 COCO = REPO / "data" / "coco128"
@@ -399,11 +394,6 @@ def test_s3_missing_key_and_bad_credentials(tmp_path, s3_server, monkeypatch):
 
 # --------------------------------------------------------------------------------------------- CLI
 
-def _stage_env() -> dict[str, str]:
-    env = dict(os.environ, PYTHONPATH=str(REPO), AWS_EC2_METADATA_DISABLED="true")
-    return env
-
-
 def _workdir(tmp_path: Path, **download_params) -> Path:
     """A run folder with the repo's params.yaml (download section updated) and data/coco128 linked in."""
     work = tmp_path / "work"
@@ -416,8 +406,7 @@ def _workdir(tmp_path: Path, **download_params) -> Path:
 
 
 def _run(work: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "stages.download", *args], cwd=work, env=_stage_env(),
-                          capture_output=True, text=True, timeout=60)
+    return run([sys.executable, "-m", "stages.download", *args], work, check=False, timeout=60)
 
 
 def _assert_one_error_line(stderr: str) -> str:

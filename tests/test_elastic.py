@@ -16,8 +16,9 @@ import psutil
 import pytest
 import torch
 
-from conftest import elastic_workdir, stage_env, write_params
-from test_distributed import free_port
+from support.pipeline import elastic_workdir, write_params
+from support.procs import stage_env
+from support.procs import free_port
 
 
 def _start(work: Path, log: Path, env: dict | None = None) -> subprocess.Popen:

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from conftest import run_stage
+from support.pipeline import stage_cli
 from detpipe.data import CachedDetectionDataset, read_meta
 from detpipe.evaluation import gt_from_arrow, label_to_category_id
 from detpipe.cocoeval import coco_evaluate
@@ -46,7 +46,7 @@ def test_ground_truth_as_detections_scores_perfect(cached_workdir):
 
 
 def test_evaluate_stage(trained_workdir):
-    proc = run_stage("evaluate", trained_workdir)
+    proc = stage_cli("evaluate", trained_workdir)
     metrics = json.loads((trained_workdir / "metrics/eval.json").read_text())
     assert list(metrics["bbox"]) == ["AP", "AP50", "AP75", "APs", "APm", "APl", "AR1", "AR10", "AR100", "ARs",
                                      "ARm", "ARl"]
@@ -80,14 +80,14 @@ def test_evaluate_stage(trained_workdir):
 def test_two_process_evaluate_equals_one(trained_workdir, tmp_path):
     """evaluate.nproc_per_node: 2 ranks each predict half of val; rank 0 gathers: same stats as 1 process."""
     import shutil
-    from conftest import write_params
+    from support.pipeline import write_params
 
     work = tmp_path / "w"
     shutil.copytree(trained_workdir, work)
-    run_stage("evaluate", work)
+    stage_cli("evaluate", work)
     one = json.loads((work / "metrics/eval.json").read_text())
     write_params(work, {"evaluate": {"nproc_per_node": 2}})
-    proc = run_stage("evaluate", work)
+    proc = stage_cli("evaluate", work)
     assert "--nproc-per-node 2" in proc.stderr
     two = json.loads((work / "metrics/eval.json").read_text())
     assert two["num_detections"] == one["num_detections"]
@@ -106,6 +106,6 @@ def test_missing_model_is_one_line_error(cached_workdir, tmp_path):
     import shutil
     work = tmp_path / "w"
     shutil.copytree(cached_workdir, work)
-    proc = run_stage("evaluate", work, check=False)
+    proc = stage_cli("evaluate", work, check=False)
     assert proc.returncode == 2 and "models/model.pt: not found" in proc.stderr
     assert "Traceback" not in proc.stderr and not (work / "metrics").exists()

@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import run_stage, write_params
+from support.pipeline import stage_cli, write_params
 from detpipe.data import CachedDetectionDataset, collate
 from detpipe.errors import StageError
 from detpipe.export import DetectionExport, compare_raw, match_detections, split_outputs
@@ -52,7 +52,7 @@ def test_torch_export_can_be_left_out(trained_workdir, tmp_path):
     params = yaml.safe_load((work / "params.yaml").read_text())
     params["export"]["torch_export"] = False
     (work / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    run_stage("export", work)
+    stage_cli("export", work)
     report = json.loads((work / "models/export_report.json").read_text())
     assert set(report["formats"]) == {"onnx"} and report["formats"]["onnx"]["raw"]["ok"]
     assert report["skipped"] == {"torch_export": "export.torch_export: false"}
@@ -77,7 +77,7 @@ def test_default_export_compares_and_passes(trained_workdir, tmp_path):
     deprecation warning (TorchScript is off by default); the files load and run on their own."""
     work = tmp_path / "w"
     shutil.copytree(trained_workdir, work)
-    proc = run_stage("export", work)
+    proc = stage_cli("export", work)
     assert "FutureWarning" not in proc.stderr and "DeprecationWarning" not in proc.stderr
     report = json.loads((work / "models/export_report.json").read_text())
     assert set(report["formats"]) == {"torch_export", "onnx"}
@@ -125,8 +125,8 @@ def test_torchscript_is_opt_in_and_checked(three_class_workdir, tmp_path):
     file runs with torchvision's scripted API."""
     work = tmp_path / "w"
     shutil.copytree(three_class_workdir, work)
-    write_params(work, {"export": {"num_images": 1, "torchscript": True}})
-    run_stage("export", work)
+    write_params(work, {"export": {"num_images": 1, "torchscript": True, "torch_export": False}})
+    stage_cli("export", work)
     report = json.loads((work / "models/export_report.json").read_text())
     assert report["formats"]["torchscript"]["raw"]["ok"]
     with warnings.catch_warnings():
@@ -159,7 +159,7 @@ def test_nothing_compared_fails_unless_opted_out(trained_workdir, tmp_path, monk
     with pytest.raises(StageError, match="nothing compared for onnx, torch_export"):
         export(Export(num_images=1))
     assert not (work / "models/model.onnx").exists()
-    report = export(Export(num_images=1, require_parity=False))
+    report = export(Export(num_images=1, require_parity=False, torch_export=False))
     assert report["formats"]["onnx"]["raw"]["compared"] == 0 and (work / "models/model.onnx").is_file()
 
 

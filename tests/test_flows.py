@@ -10,37 +10,30 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
 import json
-import os
 import re
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
-from typing import Iterator
 
 import jsonschema
 import psutil
 import pytest
 
-from conftest import REPO, stage_env, write_params
-from test_pipeline import copy_repo, sh
+from support.prefect import ZOMBIE_AFTER_S, run_id
+from support.procs import REPO, run as sh, stage_env, stop_group
+from support.repos import clone_with_cache, snapshot
 
 import yaml
 
-from flows.serve import ZOMBIE_AFTER_S
 from detpipe import params as params_mod
 from detpipe.overrides import OverrideError
 from detpipe.overrides import apply as apply_overrides
 from detpipe.overrides import json_schema as overrides_schema
 from detpipe.overrides import normalize as normalize_overrides
 from detpipe.overrides import parse as parse_overrides
-from detpipe.io import folder_sha256
 
 # ---------------------------------------------------------------------------------------------- fast tests
 
@@ -109,168 +102,58 @@ def test_deployment_schema_covers_every_param():
         assert not validator.is_valid(bad), bad
 
 
-# ---------------------------------------------------------------------------------------------- server fixtures
+def test_heartbeat_and_crash_thresholds_are_settings(monkeypatch):
+    """Crash detection's two intervals come from the environment (documented defaults 30 s / 90 s); a
+    heartbeat below Prefect's minimum or a threshold that a live run's next heartbeat could miss is refused."""
+    from flows import serve
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM the process group, SIGKILL it after 20 s."""
-    for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
-class Prefect:
-    """A running Prefect server + ``python -m flows.serve``, and CLI helpers bound to them."""
-
-    def __init__(self, env: dict, logs: Path):
-        self.env, self.logs, self.procs = env, logs, []
-
-    def serve(self) -> subprocess.Popen:
-        """Start ``python -m flows.serve --limit 2`` (two runs at once) in its own session, logging to serve.log;
-        it is stopped with the server at the end of the module."""
-        with open(self.logs / "serve.log", "a") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "flows.serve", "--limit", "2"], env=self.env, cwd=REPO,
-                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        self.procs.append(proc)
-        return proc
-
-    def cli(self, *args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
-        proc = subprocess.run([sys.executable, "-m", "prefect", *args], env=self.env, capture_output=True,
-                              text=True, timeout=timeout, cwd=self.logs)
-        if check:
-            assert proc.returncode == 0, f"prefect {' '.join(args)}: {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
-        return proc
-
-    def run_args(self, repo: Path, overrides: dict | None, name: str) -> list[str]:
-        params = {"repo": str(repo), "overrides": overrides}
-        return [sys.executable, "-m", "prefect", "deployment", "run", "train/main", "--params", json.dumps(params),
-                "--flow-run-name", name, "--watch", "--watch-interval", "2"]
-
-    def start_run(self, repo: Path, overrides: dict | None, name: str) -> subprocess.Popen:
-        return subprocess.Popen(self.run_args(repo, overrides, name), env=self.env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, cwd=self.logs)
-
-    def run(self, repo: Path, overrides: dict | None, name: str, timeout: float = 600) -> tuple[int, str, str]:
-        """``prefect deployment run train/main --watch``: (exit status, output, flow run id)."""
-        proc = subprocess.run(self.run_args(repo, overrides, name), env=self.env, capture_output=True, text=True,
-                              timeout=timeout, cwd=self.logs)
-        return proc.returncode, proc.stdout + proc.stderr, run_id(proc.stdout + proc.stderr)
-
-    def flow_run(self, run: str) -> dict:
-        return json.loads(self.cli("flow-run", "inspect", run, "-o", "json").stdout)
-
-    def wait_final(self, run: str, timeout: float = 600) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            info = self.flow_run(run)
-            if info["state"]["type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
-                return info
-            time.sleep(2)
-        raise AssertionError(f"flow run {run} still {info['state']['type']} after {timeout} s")
-
-    def id_of(self, name: str) -> str:
-        """The id of the flow run named ``name``."""
-        code = ("import sys\nfrom prefect.client.orchestration import get_client\n"
-                "from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName\n"
-                "with get_client(sync_client=True) as c:\n"
-                "    f = FlowRunFilter(name=FlowRunFilterName(any_=[sys.argv[1]]))\n"
-                "    print(c.read_flow_runs(flow_run_filter=f)[0].id)\n")
-        proc = subprocess.run([sys.executable, "-c", code, name], env=self.env, capture_output=True, text=True,
-                              timeout=120, cwd=self.logs)
-        assert proc.returncode == 0, proc.stderr
-        return proc.stdout.strip().splitlines()[-1]
-
-    def logs_of(self, run: str) -> str:
-        return self.cli("flow-run", "logs", run).stdout
-
-    def result(self, run: str) -> dict:
-        """The flow run's persisted return value (read back through the API and result storage)."""
-        code = ("import json, sys\nfrom prefect.client.orchestration import get_client\n"
-                "with get_client(sync_client=True) as c:\n"
-                "    print(json.dumps(c.read_flow_run(sys.argv[1]).state.result()))\n")
-        proc = subprocess.run([sys.executable, "-c", code, run], env=self.env, capture_output=True, text=True,
-                              timeout=120, cwd=self.logs)
-        assert proc.returncode == 0, proc.stderr
-        return json.loads(proc.stdout.strip().splitlines()[-1])
+    monkeypatch.delenv(serve.HEARTBEAT_ENV, raising=False)
+    monkeypatch.delenv(serve.ZOMBIE_ENV, raising=False)
+    assert (serve.heartbeat_s(), serve.zombie_after_s()) == (30, 90)
+    monkeypatch.setenv(serve.HEARTBEAT_ENV, "60")
+    assert (serve.heartbeat_s(), serve.zombie_after_s()) == (60, 180)      # three heartbeats by default
+    monkeypatch.setenv(serve.ZOMBIE_ENV, "75")
+    assert serve.zombie_after_s() == 75
+    for name, value, words in ((serve.ZOMBIE_ENV, "60", "longer than the heartbeat interval (60 s)"),
+                               (serve.ZOMBIE_ENV, "1m", "whole seconds"),
+                               (serve.HEARTBEAT_ENV, "10", ">= 30 (Prefect's minimum)")):
+        monkeypatch.setenv(name, value)
+        with pytest.raises(SystemExit, match=re.escape(words)):
+            serve.zombie_after_s()
+        monkeypatch.setenv(name, {serve.ZOMBIE_ENV: "75", serve.HEARTBEAT_ENV: "60"}[name])
 
 
-def run_id(output: str) -> str:
-    m = re.search(r"flow-run/([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})", output)
-    assert m, output
-    return m.group(1)
-
-
-@contextlib.contextmanager
-def prefect_server(home: Path) -> Iterator[Prefect]:
-    """``prefect server start --host 127.0.0.1`` on a free port (SQLite in ``home`` as PREFECT_HOME, analytics
-    and UI off), healthy; yields a `Prefect` whose ``procs`` (the server first) are all stopped at the end."""
-    port = _free_port()
-    env = {**stage_env(), "PREFECT_HOME": str(home), "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DVC_NO_ANALYTICS": "1", "PYTHONDONTWRITEBYTECODE": "1",
-           "PREFECT_SERVER_UI_ENABLED": "false", "PREFECT_CLI_WRAP_LINES": "false",
-           "PREFECT_RUNNER_POLL_FREQUENCY": "2",  # serve picks new runs up within 2 s
-           "PREFECT_LOGGING_TO_API_BATCH_INTERVAL": "0.5",
-           "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@localhost",
-           "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@localhost"}
-    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
-    p = Prefect(env, home)
-    home.mkdir(parents=True, exist_ok=True)
-    try:
-        with open(home / "server.log", "w") as log:
-            p.procs.append(subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host",
-                                             "127.0.0.1", "--port", str(port)], env=env, cwd=home, stdout=log,
-                                            stderr=subprocess.STDOUT, start_new_session=True))
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert p.procs[0].poll() is None, (home / "server.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "prefect server did not become healthy in 180 s"
-            time.sleep(0.5)
-        yield p
-    finally:
-        for proc in reversed(p.procs):
-            _stop(proc)
-
+# ---------------------------------------------------------------------------------------------- fixtures
 
 @pytest.fixture(scope="module")
-def prefect(tmp_path_factory):
-    """A Prefect server (`prefect_server`) and ``python -m flows.serve`` serving ``train/main``; both stopped
-    at the end."""
-    with prefect_server(tmp_path_factory.mktemp("prefect_home")) as p:
-        p.serve()
-        deadline = time.monotonic() + 120
-        while p.cli("deployment", "inspect", "train/main", check=False).returncode != 0:
-            assert p.procs[1].poll() is None, (p.logs / "serve.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "deployment train/main not served in 120 s"
-            time.sleep(1)
-        yield p
+def prefect(prefect_api):
+    """The session's Prefect server with ``python -m flows.serve`` serving ``train/main`` (and ``train/sweep``)
+    from this checkout; serve is stopped at the end of the module."""
+    first = len(prefect_api.procs)
+    serve = prefect_api.serve()
+    deadline = time.monotonic() + 120
+    while prefect_api.cli("deployment", "inspect", "train/main", check=False).returncode != 0:
+        assert serve.poll() is None, (prefect_api.logs / "serve.log").read_text()[-3000:]
+        assert time.monotonic() < deadline, "deployment train/main not served in 120 s"
+        time.sleep(1)
+    try:
+        yield prefect_api
+    finally:
+        for proc in prefect_api.procs[first:]:
+            stop_group(proc)
+        del prefect_api.procs[first:]
 
 
-def make_repo(dest: Path, train: dict | None = None) -> Path:
-    """A git copy of the repository with 12 images and tiny params (committed), pinned by the subset's sha256;
-    export writes ONNX only (``export.torch_export: false``: torch.export is most of the stage's time, and
-    tests/test_export.py checks it)."""
-    work = copy_repo(dest)
-    write_params(work, {"download": {"sha256": folder_sha256(work / "data" / "coco128")}, "train": train or {},
-                        "export": {"torch_export": False}})
-    sh(["git", "commit", "-qam", "tiny params"], work)
+def flow_repo(reproduced_repo: Path, dest: Path, train: dict | None = None) -> Path:
+    """A copy of the session's reproduced repository (its DVC cache holds every stage's outputs) with ``train``
+    params and an ONNX-only export (``export.torch_export: false``: torch.export is most of the stage's time, and
+    tests/test_export.py checks it), committed: a run of it skips download, convert and augment."""
+    work = clone_with_cache(reproduced_repo, dest)
+    params = yaml.safe_load((work / "params.yaml").read_text())
+    params["train"].update(train or {})
+    params["export"]["torch_export"] = False
+    (work / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    sh(["git", "commit", "-qam", "flow test params"], work)
     return work
 
 
@@ -303,16 +186,6 @@ def _stage_segment(logs: str, stage: str) -> str:
 # One pipeline is built per module (the export stage alone takes about a minute on 2 cores): `killed_run`
 # builds it through a run whose training is killed, then whose serve process is killed, and which is then
 # retried; the other tests copy its repository (its DVC cache holds the stages' outputs).
-
-def snapshot(repo: Path) -> dict[str, str]:
-    """sha256 of every file of the user's workspace (``.git``, ``.dvc/cache`` and ``.dvc/tmp`` left out)."""
-    out = {}
-    for path in sorted(repo.rglob("*")):
-        rel = path.relative_to(repo).as_posix()
-        if path.is_file() and not rel.startswith((".git/", ".dvc/cache/", ".dvc/tmp/")):
-            out[rel] = hashlib.sha256(path.read_bytes()).hexdigest()
-    return out
-
 
 def _workspace(repo: Path, run: subprocess.Popen, timeout: float = 300) -> Path:
     """The isolated workspace the (only) run started on ``repo`` works in."""
@@ -393,12 +266,13 @@ def _still_alive(procs: list[psutil.Process], timeout: float) -> list[psutil.Pro
 
 
 @pytest.fixture(scope="module")
-def killed_run(prefect, tmp_path_factory):
+def killed_run(prefect, reproduced_repo, tmp_path_factory):
     """A deployment run with overrides on a fresh repository copy: its train stage is killed (SIGKILL) after a
     checkpoint, which the task's retry resumes; in that retry, after another checkpoint, the ``flows.serve``
     process is killed (SIGKILL). The run must die with it and be marked Crashed by the server; a new serve
     process and ``prefect flow-run retry`` then complete it."""
-    repo = make_repo(tmp_path_factory.mktemp("flow") / "repo", train={"epochs": 4, "checkpoint_every": 1})
+    repo = flow_repo(reproduced_repo, tmp_path_factory.mktemp("flow") / "repo",
+                     train={"epochs": 4, "checkpoint_every": 1})
     before = snapshot(repo)
     overrides = {"train.lr": 0.02, "flows.retries": 1, "flows.retry_delay_s": 1}
     run = prefect.start_run(repo, overrides, "killed-run")
@@ -565,7 +439,7 @@ def test_sweep_runs_in_parallel_and_compares_in_80_columns(prefect, killed_run, 
     ellipsis, and the user's workspace is unchanged."""
     repo = tmp_path / "repo"
     shutil.copytree(killed_run["repo"], repo, symlinks=True)
-    apply_overrides(repo / "params.yaml", {"flows.max_parallel": 2})
+    apply_overrides(repo / "params.yaml", {"flows.max_parallel": 2, "train.epochs": 2})   # 4 iterations each
     sh(["git", "commit", "-qam", "two experiments at once"], repo)
     before = snapshot(repo)
     params = {"grid": {"train.lr": [0.03, 0.04]}, "repo": str(repo)}

@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import pytest
 
-from conftest import COCO128, run_stage, write_params
+from support.pipeline import COCO128, stage_cli, write_params
 
 # COCO128 images with one or two large objects of four classes: zebra (34), dog (42), giraffe (72),
 # elephant (263); 4 images, 7 objects, 4 classes + background.
@@ -78,20 +78,28 @@ def corrupt_train_cache(work, how: str) -> None:
     tmp.replace(path)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("broken", [None, "labels+1", "boxes*2"])
-def test_detector_fits_a_handful_of_images(tmp_path, broken):
-    """Fits: AP50 >= AP50_MIN and AP >= AP_MIN on the training images; with a corrupted training cache one of
-    them falls below its threshold."""
-    work = tmp_path / "w"
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    """`make_workdir` after the real convert and augment stages: the data the three trainings share."""
+    work = tmp_path_factory.mktemp("learns") / "w"
     work.mkdir()
     make_workdir(work)
     for stage in ("convert", "augment"):
-        run_stage(stage, work)
+        stage_cli(stage, work)
+    return work
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("broken", [None, "labels+1", "boxes*2"])
+def test_detector_fits_a_handful_of_images(prepared, tmp_path, broken):
+    """Fits: AP50 >= AP50_MIN and AP >= AP_MIN on the training images; with a corrupted training cache one of
+    them falls below its threshold."""
+    work = tmp_path / "w"
+    shutil.copytree(prepared, work)
     if broken:
         corrupt_train_cache(work, broken)
-    run_stage("train", work, timeout=1800)
-    run_stage("evaluate", work)
+    stage_cli("train", work, timeout=1800)
+    stage_cli("evaluate", work)
     metrics = json.loads((work / "metrics" / "eval.json").read_text())
     ap50, ap = metrics["bbox"]["AP50"], metrics["bbox"]["AP"]
     print(f"{broken or 'clean'}: AP50 {ap50:.3f}, AP {metrics['bbox']['AP']:.3f}")

@@ -7,13 +7,12 @@ metric changes without ``dvc repro``.
 """
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import stage_env
+from support.procs import run
 
 from detpipe.repo import lock_mismatches
 
@@ -22,17 +21,11 @@ DVC = str(Path(sys.executable).parent / "dvc")
 GIT_USER = ["-c", "user.name=detpipe-test", "-c", "user.email=test@example.invalid"]
 
 
-def _run(cmd: list[str], cwd: Path) -> str:
-    proc = subprocess.run(cmd, cwd=cwd, env=stage_env(), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
-    return proc.stdout
-
-
 def _fresh_clone(repo: Path, dest: Path) -> Path:
     """A clone of ``repo``'s HEAD commit (committed files only: DVC-cached outputs are absent, as in CI)."""
-    head = _run(["git", "rev-parse", "HEAD"], repo).strip()
-    _run(["git", "clone", "-q", "--shared", "--no-checkout", str(repo), str(dest)], repo)
-    _run(["git", "checkout", "-q", head], dest)
+    head = run(["git", "rev-parse", "HEAD"], repo).stdout.strip()
+    run(["git", "clone", "-q", "--shared", "--no-checkout", str(repo), str(dest)], repo)
+    run(["git", "checkout", "-q", head], dest)
     return dest
 
 
@@ -64,7 +57,7 @@ def tiny_repo(tmp_path_factory) -> Path:
     (root / "dvc.yaml").write_text(yaml.safe_dump({"stages": stages}, sort_keys=False))
     for cmd in (["git", "init", "-q"], [DVC, "init", "-q"], [DVC, "config", "core.analytics", "false"],
                 [DVC, "repro", "-q"], ["git", "add", "-A"], ["git", *GIT_USER, "commit", "-qm", "pipeline"]):
-        _run(cmd, root)
+        run(cmd, root)
     return root
 
 
@@ -86,7 +79,7 @@ def test_lock_check_fails_on_a_change_committed_without_repro(tiny_repo, tmp_pat
         name, text = edit
         path = work / name
         path.write_text(path.read_text() + text if name.endswith(".py") else text)
-        _run(["git", *GIT_USER, "commit", "-qam", f"change {name}"], work)
+        run(["git", *GIT_USER, "commit", "-qam", f"change {name}"], work)
     found = lock_mismatches(_fresh_clone(work, tmp_path / "clone"))
     if named is None:
         assert found == [], found

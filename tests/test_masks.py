@@ -14,7 +14,7 @@ import torch
 from pycocotools import mask as mask_utils
 from torchvision.transforms.v2 import functional as TF
 
-from conftest import make_coco_subset, recalibrated_model, run_stage, write_params
+from support.pipeline import make_coco_subset, recalibrated_model, stage_cli, write_params
 from detpipe import params as params_mod
 from stages.augment import build_cache
 from detpipe.cocoeval import coco_evaluate
@@ -48,8 +48,8 @@ def _workdir(work: Path, n_images: int = N_IMAGES, strip_masks: bool = False, to
                 else:  # uncompressed RLE: run lengths of the column-major mask, starting with zeros
                     a["segmentation"] = {"size": [h, w], "counts": _run_lengths(mask_utils.decode(rle))}
         (work / "data/raw/annotations/instances_train2017.json").write_text(json.dumps(coco))
-    run_stage("convert", work)
-    run_stage("augment", work)
+    stage_cli("convert", work)
+    stage_cli("augment", work)
     return work
 
 
@@ -76,7 +76,7 @@ def mask_trained(mask_workdir, tmp_path_factory) -> Path:
     """`mask_workdir` after the real train stage with ``maskrcnn_resnet50_fpn`` (one step of 2 images)."""
     work = tmp_path_factory.mktemp("mask_trained")
     shutil.copytree(mask_workdir, work, dirs_exist_ok=True)
-    run_stage("train", work)
+    stage_cli("train", work)
     return work
 
 
@@ -245,7 +245,7 @@ def test_box_models_do_not_get_masks(mask_workdir, nomask_workdir):
 def test_mask_model_on_data_without_masks_is_a_one_line_error(nomask_workdir, tmp_path):
     work = tmp_path / "w"
     shutil.copytree(nomask_workdir, work)
-    proc = run_stage("train", work, check=False)
+    proc = stage_cli("train", work, check=False)
     assert proc.returncode == 2, proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: params.yaml: train.model 'maskrcnn_resnet50_fpn' needs instance masks, but "
@@ -312,7 +312,7 @@ def test_evaluate_mask_model_writes_bbox_and_segm(mask_trained, tmp_path):
     ckpt = torch.load(work / "models/model.pt", weights_only=True)
     ckpt["config"]["kwargs"]["box_score_thresh"] = 0.0
     torch.save(ckpt, work / "models/model.pt")
-    proc = run_stage("evaluate", work)
+    proc = stage_cli("evaluate", work)
     metrics = json.loads((work / "metrics/eval.json").read_text())
     assert list(metrics)[:2] == ["bbox", "segm"]
     names = ["AP", "AP50", "AP75", "APs", "APm", "APl", "AR1", "AR10", "AR100", "ARs", "ARm", "ARl"]
@@ -343,7 +343,7 @@ def test_export_mask_model_with_masks_output(mask_trained, tmp_path):
 
     work = _copy_trained(mask_trained, tmp_path / "w")
     _confident(work)
-    run_stage("export", work)
+    stage_cli("export", work)
     report = json.loads((work / "models/export_report.json").read_text())
     assert report["masks"] is True
     for fmt, r in report["formats"].items():  # raw RPN outputs gate; the confident detections match too
@@ -360,12 +360,25 @@ def test_export_mask_model_with_masks_output(mask_trained, tmp_path):
     assert [o.name for o in session.get_outputs()][:5] == ["boxes", "scores", "labels", "masks", "rpn.head.0.0"]
     boxes, scores, labels, masks = session.run(["boxes", "scores", "labels", "masks"], {"image": image.numpy()})
     assert masks.shape == (len(boxes), 1, *image.shape[-2:]) and masks.dtype == np.float32
+    # Pasting a mask into the image rounds its box's coordinates: a box 1e-5 px apart between backends can land
+    # one pixel over, so soft mask values at a mask's border differ. What cannot flip: the binarized masks
+    # (> 0.5) agree up to one pixel (each inside the other's one-pixel dilation), and they overlap closely.
     same = 0
     for k in range(min(len(boxes), len(eager["boxes"]))):
         if labels[k] == eager["labels"][k] and np.abs(boxes[k] - eager["boxes"][k].numpy()).max() < 1e-2:
-            np.testing.assert_allclose(masks[k], eager["masks"][k].numpy(), atol=2e-3)
+            a, b = masks[k, 0] > 0.5, eager["masks"][k, 0].numpy() > 0.5
+            assert _within_one_pixel(a, b) and _within_one_pixel(b, a), k
+            if b.sum() >= 100:
+                assert (a & b).sum() / (a | b).sum() >= 0.8, k
+                assert not _within_one_pixel(np.roll(b, 3, axis=1), b)      # the check sees a 3-pixel shift
             same += 1
     assert same >= 10
+
+
+def _within_one_pixel(a: np.ndarray, b: np.ndarray) -> bool:
+    """Every pixel of boolean mask ``a`` (H, W) lies in ``b`` dilated by one pixel (3x3)."""
+    grown = torch.nn.functional.max_pool2d(torch.from_numpy(b)[None, None].float(), 3, stride=1, padding=1)[0, 0]
+    return not bool((torch.from_numpy(a) & (grown == 0)).any())
 
 
 def test_masks_are_the_same_in_both_encodings(mask_workdir, tmp_path):

@@ -28,14 +28,14 @@ import pytest
 import torch
 import yaml
 
-from conftest import REPO, stage_env, write_params
-from s3server import S3Server, _free_ports, _log_tail, _stop, _weed_binary, s3_server  # noqa: F401  (fixture)
-from test_pipeline import copy_repo
+from support.pipeline import write_params
+from support.procs import REPO, stage_env
+from support.procs import free_ports
+from support.s3server import S3Server, log_tail, stop, weed_binary
+from support.repos import clone_with_cache, copy_repo
 
 # An error must come back well within this (the committed remote config bounds connect and read timeouts).
 ERROR_BOUND_S = 60.0
-# sha256 pins the full COCO128, not 12 images; ONNX-only export (torch.export is most of that stage's time)
-TEAM_PARAMS = {"train": {"epochs": 1}, "download": {"sha256": None}, "export": {"torch_export": False}}
 
 
 def run(cmd: list[str], cwd: Path, env: dict | None = None, check: bool = True, timeout: float = 900,
@@ -113,7 +113,7 @@ def test_committed_remote_config():
 def test_default_local_remote_on_fresh_clone(tmp_path):
     """`dvc push` / `dvc pull` with no remote setup: the default remote is a folder beside the clone."""
     a = copy_repo(tmp_path / "A")
-    write_params(a, TEAM_PARAMS)
+    write_params(a, {"download": {"sha256": None}})   # the committed sha256 pins the full COCO128
     run(["dvc", "repro", "download"], a)
     run(["git", "add", "-A"], a)
     run(["git", "commit", "-qm", "download"], a)
@@ -145,24 +145,24 @@ class Team:
 
 
 @pytest.fixture(scope="module")
-def team(tmp_path_factory, s3_server) -> Team:
+def team(tmp_path_factory, s3_server, reproduced_repo) -> Team:
     """Clone A configured as the README says (S3 remote with `endpointurl`, made the default, committed; the
-    credentials only in the environment), after `dvc repro` of the whole pipeline, `git push` and `dvc push`."""
+    credentials only in the environment), where `dvc repro` of the whole pipeline has run (a copy of the session's
+    ``reproduced_repo``: `dvc repro` finds it up to date), after `git push` and `dvc push`."""
     work = tmp_path_factory.mktemp("team")
     origin = work / "origin.git"
     run(["git", "init", "-q", "--bare", "-b", "main", str(origin)], work)
-    a = copy_repo(work / "A")
-    write_params(a, TEAM_PARAMS)
+    a = clone_with_cache(reproduced_repo, work / "A")
     bucket = s3_server.create_bucket()
     env = {**s3_server.env(), **no_aws_files(work)}
     run(["dvc", "remote", "modify", "s3", "url", f"s3://{bucket}/dvc"], a)
     run(["dvc", "remote", "modify", "s3", "endpointurl", s3_server.endpoint_url], a)
     run(["dvc", "remote", "default", "s3"], a)
-    run(["git", "commit", "-qam", "tiny params, S3 remote"], a)
+    run(["git", "commit", "-qam", "S3 remote"], a)
     run(["git", "remote", "add", "origin", str(origin)], a)
-    run(["dvc", "repro"], a, env=env)
-    run(["git", "add", "-A"], a)
-    run(["git", "commit", "-qm", "pipeline run"], a)
+    repro = run(["dvc", "repro"], a, env=env)
+    assert "Data and pipelines are up to date." in repro.stdout + repro.stderr
+    assert run(["git", "status", "--porcelain"], a).stdout == ""
     run(["git", "push", "-q", "origin", "main"], a)
     push = run(["dvc", "push"], a, env=env)
     assert re.search(r"\d+ files? pushed", push.stdout), push.stdout
@@ -298,7 +298,7 @@ class RestartableS3:
             "name": "test-admin", "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
             "actions": ["Admin", "Read", "List", "Tagging", "Write"]}]}))
         os.chmod(self.config, 0o600)
-        self.ports = _free_ports(10)
+        self.ports = free_ports(10)
         self.server = S3Server(endpoint_url=f"http://127.0.0.1:{self.ports[6]}", access_key=self.access_key,
                                secret_key=self.secret_key, workdir=workdir)
         self.proc: subprocess.Popen | None = None
@@ -306,7 +306,7 @@ class RestartableS3:
 
     def start(self, timeout: float = 30.0) -> None:
         master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc, admin, admin_grpc = self.ports
-        cmd = [_weed_binary(), "mini", f"-dir={self.data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+        cmd = [weed_binary(), "mini", f"-dir={self.data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
                "-master.telemetry=false", "-webdav=false", "-admin.ui=false", "-s3.port.iceberg=0",
                "-s3.port.lance=0", "-volume.preStopSeconds=0", "-master.volumeSizeLimitMB=64",
                f"-master.port={master}", f"-master.port.grpc={master_grpc}", f"-volume.port={volume}",
@@ -330,7 +330,7 @@ class RestartableS3:
                 error = f"{type(e).__name__}: {e}"
             time.sleep(0.2)
         self.stop()
-        raise RuntimeError(f"weed mini not ready ({error})\n{_log_tail(self.log)}")
+        raise RuntimeError(f"weed mini not ready ({error})\n{log_tail(self.log)}")
 
     def freeze(self) -> None:
         os.killpg(self.proc.pid, signal.SIGSTOP)
@@ -339,7 +339,7 @@ class RestartableS3:
         if self.proc is not None:
             if self.proc.poll() is None:
                 os.killpg(self.proc.pid, signal.SIGCONT)            # a frozen server must run to stop
-            _stop(self.proc)
+            stop(self.proc)
             self.proc = None
 
 
@@ -359,7 +359,14 @@ def test_push_interrupted_by_server_restart(team, restartable_s3, tmp_path):
     fs = s3.server.filesystem()
     fs.mkdir("fault")
     env = {**s3.server.env(), **no_aws_files(tmp_path)}
-    a = team.a
+    # a copy of A with 300 more small files in its DVC cache (`dvc add`, not committed): the upload is under way
+    # for seconds, so the server can be stopped while files are still to go, whatever the machine's speed
+    a = clone_with_cache(team.a, tmp_path / "A")
+    bulk = a / "bulk"
+    bulk.mkdir()
+    for i in range(300):
+        (bulk / f"{i:03d}.bin").write_bytes(os.urandom(16384))
+    run(["dvc", "add", "bulk"], a)
     # a second S3 remote, only in A's git-ignored local config
     run(["dvc", "remote", "add", "--local", "-f", "fault", "s3://fault/dvc"], a)
     run(["dvc", "remote", "modify", "--local", "fault", "endpointurl", s3.server.endpoint_url], a)
@@ -452,7 +459,7 @@ def test_bad_credentials_and_dead_endpoints_fail_fast(s3_server, tiny_dvc_repo, 
     assert proc.returncode != 0 and took < ERROR_BOUND_S, (took, proc.stderr)
     assert "Unable to locate credentials" in proc.stderr, proc.stderr
 
-    closed = _free_ports(1)[0]                                          # nothing listens there
+    closed = free_ports(1)[0]                                          # nothing listens there
     run(["dvc", "remote", "modify", "--local", "s3", "endpointurl", f"http://127.0.0.1:{closed}"], repo)
     proc, took = timed_push(repo, good)
     assert proc.returncode != 0 and took < ERROR_BOUND_S, (took, proc.stderr)

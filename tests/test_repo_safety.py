@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
-from conftest import stage_env
+from support.procs import run, stage_env
 
 from detpipe import repo as detrepo
 
@@ -45,13 +45,6 @@ Path("count.txt").write_text(f"{len(files)} {files[0].read_text()}")
 """
 
 
-def _run(cmd: list[str], cwd: Path, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, cwd=cwd, env=stage_env(), capture_output=True, text=True, timeout=timeout)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
-    return proc
-
-
 def _set_n(root: Path, n: int) -> None:
     (root / "params.yaml").write_text(f"n: {n}\n")
 
@@ -74,10 +67,10 @@ def pipeline(tmp_path_factory) -> Path:
     for cmd in (["git", "init", "-q"], [DVC, "init", "-q"], [DVC, "config", "core.analytics", "false"],
                 [DVC, "repro", "-q"], ["git", "add", "-A"],
                 ["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "tiny pipeline"]):
-        _run(cmd, root)
+        run(cmd, root)
     assert detrepo.repair(root) == []  # keeps .dvc/tmp/dvc.lock.backup: the lock of n=1
     _set_n(root, 0)
-    _run([DVC, "repro", "-q"], root)
+    run([DVC, "repro", "-q"], root)
     return root
 
 
@@ -150,14 +143,14 @@ def _repro_killed(root: Path, trigger: tuple[str, float]) -> str:
 def _assert_reproduced(root: Path, n: int, status: bool = True) -> None:
     """``dvc repro`` succeeds, the outputs are those of ``n``, no temporary is left beside them and (with
     ``status``) ``dvc status`` is clean."""
-    _run([DVC, "repro", "-q"], root)
+    run([DVC, "repro", "-q"], root)
     files = sorted((root / "out").iterdir())
     assert len(files) == N_FILES and files[0].read_text() == f"{n} 0\n"
     assert files[-1].read_text() == f"{n} {N_FILES - 1}\n"
     assert (root / "count.txt").read_text() == f"{N_FILES} {n} 0\n"
     assert [p.name for p in root.iterdir() if p.name.startswith((".out.", ".count.txt."))] == []
     if status:
-        proc = _run([DVC, "status", "--json"], root)
+        proc = run([DVC, "status", "--json"], root)
         assert json.loads(proc.stdout) == {}, proc.stdout
 
 
@@ -182,14 +175,14 @@ def test_kill_anywhere_then_repair(work):
         damage = _dvc_broken(work)
         if damage:
             if not broken:  # DVC itself is stuck until repaired
-                stuck = _run([DVC, "status"], work, check=False)
+                stuck = run([DVC, "status"], work, check=False)
                 assert stuck.returncode != 0 and ("RWLock" in stuck.stderr or "dvc.lock" in stuck.stderr), stuck
             broken.append(damage)
-        repaired = _run([sys.executable, "-m", "detpipe.repo", "repair"], work)
+        repaired = run([sys.executable, "-m", "detpipe.repo", "repair"], work)
         log.append(f"trial {trial} n={n} {what}: {damage or 'readable'}; repair: {repaired.stderr.strip()[-300:]}")
         assert _dvc_broken(work) is None, log[-1]
         _assert_reproduced(work, n, status=False)
-    proc = _run([DVC, "status", "--json"], work)
+    proc = run([DVC, "status", "--json"], work)
     assert json.loads(proc.stdout) == {}, proc.stdout
     print("\n".join(log))
     assert broken, "no kill left DVC broken: the test does not exercise repair\n" + "\n".join(log)
@@ -224,7 +217,7 @@ def test_repair_of_files_cut_as_dvc_leaves_them(work, case):
     (work / "dvc.lock").write_text(new_lock)
     if new_rw is not None:
         (work / ".dvc/tmp/rwlock").write_text(new_rw)
-    stuck = _run([DVC, "status"], work, check=False)
+    stuck = run([DVC, "status"], work, check=False)
     assert stuck.returncode != 0, f"DVC works without repair: the case tests nothing\n{stuck.stdout}"
 
     actions = detrepo.repair(work)

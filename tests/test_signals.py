@@ -10,7 +10,8 @@ import threading
 
 import pytest
 
-from conftest import stage_env, write_params
+from support.pipeline import write_params
+from support.procs import stage_env
 
 
 @pytest.fixture

@@ -14,9 +14,10 @@ import psutil
 import pytest
 import torch
 
-from conftest import elastic_workdir, stage_env
-from slurm_cluster import slurm_available, slurm_cluster
-from test_distributed import free_port
+from support.pipeline import elastic_workdir
+from support.procs import stage_env
+from support.slurm_cluster import slurm_available, slurm_cluster
+from support.procs import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(slurm_available() is not None, reason=str(slurm_available()))]
 

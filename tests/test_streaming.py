@@ -11,11 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import kill9_training_after, run_stage, write_params
+from support.pipeline import kill9_training_after, stage_cli, write_params
 from detpipe import params as params_mod
 from detpipe.data import CachedDetectionDataset, ResumableDistributedSampler, micro_batches
 from detpipe.errors import StageError
-from s3server import s3_server  # noqa: F401  (pytest fixture)
 from stages.augment import build_cache
 
 SHARD_MB = 0.05  # ~2-3 JPEG images of 320x320 per shard: many shards from 12 images
@@ -144,14 +143,14 @@ def test_kill9_resume_through_the_prefetcher_is_bit_identical(remote, cached_wor
         return work
 
     straight = node("straight")
-    run_stage("train", straight)
+    stage_cli("train", straight)
     killed = node("killed")
     kill9_training_after(killed)
     ckpts = sorted((killed / "checkpoints").glob("ckpt-*.pt"))
     final = sorted((straight / "checkpoints").glob("ckpt-*.pt"))[-1]
     assert len(ckpts) < int(final.name[5:12]), "the kill came too late to test anything"
     time.sleep(1)
-    assert "resuming from" in run_stage("train", killed).stderr
+    assert "resuming from" in stage_cli("train", killed).stderr
     a = torch.load(straight / "models/model.pt", weights_only=True)["model"]
     b = torch.load(killed / "models/model.pt", weights_only=True)["model"]
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -16,7 +16,8 @@ import pytest
 import torch
 import yaml
 
-from conftest import kill9_training_after, run_stage, stage_env, write_params
+from support.pipeline import kill9_training_after, stage_cli, write_params
+from support.procs import stage_env
 
 
 def _ckpts(work: Path) -> list[Path]:
@@ -85,7 +86,7 @@ def test_kill9_and_sigterm_resume_is_bit_identical(cached_workdir, tmp_path):
     train.log_every_s seconds (plus one step)."""
     overrides = {"train": {"epochs": 5, "checkpoint_every": 1, "keep_last": 10, "log_every_s": 1}}
     straight = _copy(cached_workdir, tmp_path / "straight", overrides)
-    run_stage("train", straight)
+    stage_cli("train", straight)
 
     killed = _copy(cached_workdir, tmp_path / "killed", overrides)
     kill9_training_after(killed)
@@ -119,7 +120,7 @@ def test_kill9_and_sigterm_resume_is_bit_identical(cached_workdir, tmp_path):
     gaps = [b - a for a, b in zip(stamps, stamps[1:])]
     assert max(gaps) <= 1 + max(step_times) + 1.0, (gaps, step_times)  # 1 s slack for a loaded machine
 
-    resumed = run_stage("train", killed)
+    resumed = stage_cli("train", killed)
     assert f"resuming from checkpoints/{m.group(2)}" in resumed.stderr
 
     a = torch.load(_ckpts(straight)[-1], weights_only=True)
@@ -142,26 +143,26 @@ def test_resume_rules(trained_workdir, tmp_path):
     # same params: resumes at the end, nothing left to do (no extra epoch, the same model)
     before = torch.load(trained_workdir / "models/model.pt", weights_only=True)
     ckpts = [p.name for p in _ckpts(work)]
-    same = run_stage("train", work)
+    same = stage_cli("train", work)
     assert "resuming from" in same.stderr
     after = torch.load(work / "models/model.pt", weights_only=True)
     assert [p.name for p in _ckpts(work)] == ckpts and after["iters"] == before["iters"]
     assert all(torch.equal(after["model"][k], v) for k, v in before["model"].items())
     # other params + must: a clear one-line error, exit 2
     write_params(work, {"train": {"lr": 0.02, "resume": "must"}})
-    must = run_stage("train", work, check=False)
+    must = stage_cli("train", work, check=False)
     assert must.returncode == 2
     assert "train.resume is 'must'" in must.stderr and "Traceback" not in must.stderr
     # other params + auto: starts fresh, says why, and removes the foreign checkpoints
     write_params(work, {"train": {"lr": 0.02, "epochs": 1}})
-    fresh = run_stage("train", work)
+    fresh = stage_cli("train", work)
     assert "starting fresh" in fresh.stderr and "other training params" in fresh.stderr
     assert [p.name for p in _ckpts(work)] == ["ckpt-0000002.pt"]
 
 
 def test_unknown_model_is_one_line_error(cached_workdir, tmp_path):
     work = _copy(cached_workdir, tmp_path / "w", {"train": {"model": "no_such_net"}})
-    proc = run_stage("train", work, check=False)
+    proc = stage_cli("train", work, check=False)
     assert proc.returncode == 2
     err = [l for l in proc.stderr.splitlines() if l.startswith("error:")]
     assert len(err) == 1 and "unknown model 'no_such_net'" in err[0] and "train.model" in err[0]

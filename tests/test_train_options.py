@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from conftest import run_stage, write_params
+from support.pipeline import stage_cli, write_params
 from detpipe.engine import HookBase
 from detpipe.errors import StageError
 from detpipe.data import CachedDetectionDataset, collate
@@ -25,7 +25,7 @@ def test_amp_accumulate_ema_eval(cached_workdir, tmp_path):
     shutil.copytree(cached_workdir / "data", work / "data")
     write_params(work, {"train": {"amp": "bf16", "accumulate": 2, "batch_size": 2, "ema": True, "ema_decay": 0.5,
                                   "eval_every": 1, "base_batch_size": 8, "epochs": 1, "channels_last": True}})
-    proc = run_stage("train", work)
+    proc = stage_cli("train", work)
     # 9 images // (2 per batch x 2 micro-batches) = 2 optimizer steps
     model = torch.load(work / "models/model.pt", weights_only=True)
     assert model["iters"] == 2 and model["ema"] is True

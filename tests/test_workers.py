@@ -2,8 +2,9 @@
 and push their results to the team's remotes (`detpipe.remotes`).
 
 The slow tests stand up what a team has: a bare git repository as ``origin``, SeaweedFS as the DVC remote
-(``tests/s3server.py``), a Prefect server, a ``process`` work pool with two workers started from different
-directories, and ``train/main`` registered with ``python -m flows.serve --work-pool gpu --source <origin>``.
+(``tests/support/s3server.py``), the session's Prefect server, a ``process`` work pool with two workers started
+from different directories, and ``train/team`` registered with ``python -m flows.serve --work-pool gpu --source
+<origin> --name team`` (``train/main`` is the checkout's deployment served by tests/test_flows.py).
 Every run happens in the temporary clone a worker makes and deletes; what is left afterwards is only what was
 pushed. Fast tests check `detpipe.remotes.check` on small local repositories.
 """
@@ -26,9 +27,9 @@ import psutil
 import pytest
 import yaml
 
-from s3server import _free_ports, s3_server  # noqa: F401  (pytest fixture)
-from test_flows import make_repo, prefect_server
-from test_pipeline import sh
+from support.prefect import run_id
+from support.procs import free_ports, run as sh, stop_group
+from support.repos import make_repo
 
 from detpipe import remotes as rm
 
@@ -97,7 +98,6 @@ def _register(prefect, *args: str) -> subprocess.CompletedProcess:
 def _run(prefect, deployment: str, overrides: dict, name: str, **params) -> str:
     out = prefect.cli("deployment", "run", deployment, "--params", json.dumps({"overrides": overrides, **params}),
                       "--flow-run-name", name).stdout
-    from test_flows import run_id
     return run_id(out)
 
 
@@ -123,10 +123,10 @@ def _procs_of(run: str) -> list[psutil.Process]:
 
 
 @pytest.fixture(scope="module")
-def team(tmp_path_factory, s3_server):  # noqa: F811 - the fixture
+def team(tmp_path_factory, s3_server, prefect_api):
     """The team (see the module docstring) and its runs: A, whose worker is killed after A's first pushed
     checkpoint and which is retried on the other worker; a run of a deployment whose DVC remote does not
-    answer (at the same time as A); then B, a run of ``train/main`` with other train params up to training."""
+    answer (at the same time as A); then B, a run of ``train/team`` with other train params up to training."""
     work = tmp_path_factory.mktemp("workers")
     origin = work / "origin.git"
     sh(["git", "init", "-q", "--bare", "-b", "main", str(origin)], work)
@@ -139,23 +139,27 @@ def team(tmp_path_factory, s3_server):  # noqa: F811 - the fixture
     sh(["git", "remote", "add", "origin", str(origin)], repo)
     sh(["git", "push", "-q", "origin", "main"], repo)
     sh(["git", "checkout", "-q", "-b", "deadremote"], repo)
-    sh(["dvc", "remote", "modify", "s3", "endpointurl", f"http://127.0.0.1:{_free_ports(1)[0]}"], repo)
+    sh(["dvc", "remote", "modify", "s3", "endpointurl", f"http://127.0.0.1:{free_ports(1)[0]}"], repo)
     sh(["git", "commit", "-qam", "remote nobody answers"], repo)
     sh(["git", "push", "-q", "origin", "deadremote"], repo)
 
-    with prefect_server(work / "prefect") as prefect:
+    prefect = prefect_api
+    first, env_before = len(prefect.procs), dict(prefect.env)
+    try:
         prefect.env.update(s3_server.env())
         url = f"file://{origin}"
-        registered = _register(prefect, "--source", url)
+        registered = _register(prefect, "--source", url, "--name", "team")
         assert registered.returncode == 0, registered.stdout + registered.stderr
         assert _register(prefect, "--source", url, "--branch", "deadremote").returncode == 0
-        refused = _register(prefect)       # the checkout under the same name train/main
+        refused = _register(prefect, "--name", "team")       # the checkout under the same name train/team
         workers = {w: _worker(prefect, w, work / f"{w}-cwd") for w in ("w1", "w2")}
 
-        a = _run(prefect, "train/main", A_OVERRIDES, "run-a")
+        a = _run(prefect, "train/team", A_OVERRIDES, "run-a")
         dead = _run(prefect, "train/deadremote", {}, "run-dead")
         deadline = time.monotonic() + 600
-        while "run-a" not in _remote_exps(origin):           # the first pushed checkpoint
+        # the first pushed checkpoint: on the git remote, and its log line at the server (the kill must not
+        # come between the push and the line reaching the API, or the test would not know what was pushed)
+        while "run-a" not in _remote_exps(origin) or "pushed checkpoints up to" not in prefect.logs_of(a):
             assert time.monotonic() < deadline, prefect.logs_of(a)[-5000:]
             assert prefect.flow_run(a)["state"]["type"] in ("SCHEDULED", "PENDING", "RUNNING"), \
                 prefect.logs_of(a)[-5000:]
@@ -175,7 +179,7 @@ def team(tmp_path_factory, s3_server):  # noqa: F811 - the fixture
         first_attempt = prefect.logs_of(a)
         prefect.cli("flow-run", "retry", a)
         final_a = prefect.wait_final(a, timeout=900)
-        b = _run(prefect, "train/main", B_OVERRIDES, "run-b", upto="train")
+        b = _run(prefect, "train/team", B_OVERRIDES, "run-b", upto="train")
         yield {"work": work, "origin": origin, "bucket": bucket, "env": s3_server.env(), "prefect": prefect,
                "s3": s3_server, "refused": refused, "a": a, "final_a": final_a, "result_a": prefect.result(a),
                "logs_a": prefect.logs_of(a), "first_attempt": first_attempt, "training_at_kill": training,
@@ -183,6 +187,12 @@ def team(tmp_path_factory, s3_server):  # noqa: F811 - the fixture
                "logs_b": prefect.logs_of(b),
                "worker_logs": {w: (prefect.logs / f"{w}.log").read_text() for w in workers},
                "dead": final_dead, "dead_s": dead_s, "dead_logs": prefect.logs_of(dead)}
+    finally:                                        # the workers; the server is the session's
+        for proc in prefect.procs[first:]:
+            stop_group(proc)
+        del prefect.procs[first:]
+        prefect.env.clear()
+        prefect.env.update(env_before)
 
 
 @pytest.mark.slow
@@ -258,10 +268,10 @@ def test_second_run_restores_the_unchanged_stages(team):
 
 @pytest.mark.slow
 def test_each_source_its_own_deployment(team):
-    """Registering this checkout as train/main while train/main runs code from the git origin is refused."""
+    """Registering this checkout as train/team while train/team runs code from the git origin is refused."""
     refused = team["refused"]
     assert refused.returncode != 0
-    assert f"deployment train/main runs code from file://{team['origin']}@main" in refused.stderr, refused.stderr
+    assert f"deployment train/team runs code from file://{team['origin']}@main" in refused.stderr, refused.stderr
 
 
 @pytest.mark.slow

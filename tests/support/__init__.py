@@ -1,0 +1,1 @@
+"""Helpers for the test suite that are not fixtures (imported as ``support.*``: tests/ is on sys.path)."""

@@ -1,0 +1,114 @@
+"""Pipeline working copies for tests: tiny params, COCO128 subsets, the stages' own CLIs, trained models."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from support.procs import REPO, stage_env
+
+COCO128 = REPO / "data" / "coco128"
+
+# Tiny settings: a few images, a few iterations; every stage still runs for real.
+TINY_PARAMS = {
+    "convert": {"val_fraction": 0.25, "workers": 0},
+    "augment": {"workers": 0},
+    "train": {"epochs": 2, "batch_size": 4, "checkpoint_every": 2, "warmup_iters": 1, "lr": 0.01,
+              "threads": 1},
+    "evaluate": {"batch_size": 4},
+    "export": {"num_images": 2},
+}
+
+
+def stage_cli(name: str, cwd: Path, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run ``python -m stages.<name>`` in ``cwd``; on unexpected failure show its stderr."""
+    proc = subprocess.run([sys.executable, "-m", f"stages.{name}"], cwd=cwd, env=stage_env(),
+                          capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"stages.{name} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def write_params(workdir: Path, overrides: dict | None = None) -> dict:
+    """Write ``params.yaml`` into ``workdir``: the repository's params with ``TINY_PARAMS`` and ``overrides``
+    merged per section. Returns the params dict."""
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    for source in (TINY_PARAMS, overrides or {}):
+        for section, values in source.items():
+            params[section].update(values)
+    (workdir / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    return params
+
+
+def make_coco_subset(dest: Path, n_images: int = 12) -> dict:
+    """Copy the first ``n_images`` COCO128 images (sorted by id) with their annotations into ``dest`` in the
+    layout of ``data/raw`` (``annotations/instances_train2017.json``, ``train2017/``). Returns the JSON."""
+    src = json.loads((COCO128 / "annotations" / "instances_train2017.json").read_text())
+    images = sorted(src["images"], key=lambda im: im["id"])[:n_images]
+    ids = {im["id"] for im in images}
+    subset = {**src, "images": images, "annotations": [a for a in src["annotations"] if a["image_id"] in ids]}
+    (dest / "annotations").mkdir(parents=True, exist_ok=True)
+    (dest / "train2017").mkdir(parents=True, exist_ok=True)
+    (dest / "annotations" / "instances_train2017.json").write_text(json.dumps(subset))
+    for im in images:
+        shutil.copyfile(COCO128 / "train2017" / im["file_name"], dest / "train2017" / im["file_name"])
+    return subset
+
+
+def recalibrated_model(work: Path):
+    """Load ``work/models/model.pt`` and recalibrate its BatchNorm statistics on the training cache (cumulative
+    average over all images). After a few tiny training steps the running statistics are still near their initial
+    values, so outputs barely depend on the image; tests that need image-dependent, well-separated scores (export
+    parity) start from this and sharpen the logits. Returns ``(model in eval mode, checkpoint dict)``."""
+    import torch
+    from detpipe.data import CachedDetectionDataset
+    from detpipe.models import build_from_config
+
+    ckpt = torch.load(work / "models/model.pt", weights_only=True)
+    model = build_from_config(ckpt["config"])
+    model.load_state_dict(ckpt["model"])
+    model.eval()
+    bns = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    for m in bns:
+        m.reset_running_stats()
+        m.momentum = None
+        m.train()
+    train = CachedDetectionDataset(work / "data/cache", "train")
+    with torch.no_grad():
+        model([train[i][0] for i in range(len(train))])
+    for m in bns:
+        m.eval()
+    return model, ckpt
+
+
+# Elastic and Slurm tests (tests/test_elastic.py, tests/test_slurm.py): 9 training images, 2 per micro-batch,
+# a checkpoint per iteration: 2 iterations per epoch with 2 ranks, 4 with 1.
+ELASTIC_TRAIN = {"epochs": 2, "batch_size": 2, "checkpoint_every": 1, "keep_last": 50, "threads": 1,
+                 "warmup_iters": 1}
+
+
+def elastic_workdir(cached: Path, dest: Path, train: dict) -> Path:
+    """A copy of `cached_workdir`'s data with params ``ELASTIC_TRAIN`` + ``train``."""
+    shutil.copytree(cached / "data", dest / "data")
+    write_params(dest, {"train": {**ELASTIC_TRAIN, **train}})
+    return dest
+
+
+def kill9_training_after(work: Path, checkpoint: str = "ckpt-0000002.pt", timeout_s: float = 300) -> None:
+    """Run ``python -m stages.train`` in ``work`` and ``kill -9`` it as soon as ``checkpoints/<checkpoint>``
+    exists (asserting training was still running then)."""
+    import signal
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "stages.train"], cwd=work, env=stage_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + timeout_s
+    while not (work / "checkpoints" / checkpoint).exists():
+        assert proc.poll() is None and time.time() < deadline, "training ended before it could be killed"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()

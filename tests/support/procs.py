@@ -1,0 +1,77 @@
+"""Processes and ports for tests: one free-port helper, one run-and-check helper, one stopper."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+GIT_IDENTITY = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@localhost",
+                "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@localhost"}
+
+
+def free_ports(n: int = 1, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct TCP ports that were free on ``host`` a moment ago (all bound at once, then released)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind((host, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """One TCP port that was free on ``host`` a moment ago."""
+    return free_ports(1, host)[0]
+
+
+def stage_env(extra: dict | None = None, drop: tuple[str, ...] = ()) -> dict:
+    """The environment for subprocesses of tests: this one without torchrun's rank variables, the repository
+    on ``PYTHONPATH`` (``python -m stages.X`` outside the root), this interpreter's ``bin/`` first on ``PATH``
+    (``python``, ``dvc``, ``torchrun`` in dvc.yaml's commands), analytics off, a git identity; then ``extra``
+    added and the names in ``drop`` removed."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    env.setdefault("AWS_EC2_METADATA_DISABLED", "true")
+    env.setdefault("DVC_NO_ANALYTICS", "1")
+    for key, value in GIT_IDENTITY.items():
+        env.setdefault(key, value)
+    env.update(extra or {})
+    for key in drop:
+        env.pop(key, None)
+    return env
+
+
+def run(cmd: list[str], cwd: Path, env: dict | None = None, check: bool = True, timeout: float = 900,
+        drop: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in ``cwd`` with `stage_env` (+ ``env``, - ``drop``), output captured as text; with ``check``
+    an exit status other than 0 fails the test with the command and the tails of its stdout and stderr."""
+    proc = subprocess.run(cmd, cwd=cwd, env=stage_env(env, drop), capture_output=True, text=True, timeout=timeout)
+    if check:
+        assert proc.returncode == 0, (f"{' '.join(map(str, cmd))} failed ({proc.returncode}):\n"
+                                      f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def stop_group(proc: subprocess.Popen, term_s: float = 20, kill_s: float = 10) -> None:
+    """SIGTERM ``proc``'s process group (it was started with ``start_new_session=True``), SIGKILL it after
+    ``term_s`` seconds; returns once ``proc`` is reaped or ``kill_s`` more seconds passed."""
+    for sig, wait in ((signal.SIGTERM, term_s), (signal.SIGKILL, kill_s)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
