@@ -1,22 +1,11 @@
-"""Distributed setup inside a worker: init the process group, tie the worker's life to its launcher. Launching
-the workers (torchrun, Slurm, Kubernetes) is `detpipe.launch`."""
+"""Distributed setup inside a worker: init the process group. Launching the workers (torchrun, Slurm, Kubernetes)
+is `detpipe.launch`; a worker ties its life to its launcher's with `detpipe.lifeline.die_with_launcher`."""
 from __future__ import annotations
 
 import os
-import sys
 
 import torch
 import torch.distributed as dist
-
-
-def die_with_parent() -> None:
-    """Linux: have the kernel SIGKILL this worker when its launcher dies (``prctl(PR_SET_PDEATHSIG)``), so a
-    ``kill -9`` of the stage never leaves orphan workers writing checkpoints beside a resumed run."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-        import signal
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
 
 
 def setup_distributed(backend: str | None = None) -> tuple[int, int, int, torch.device]:

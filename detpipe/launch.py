@@ -26,6 +26,7 @@ import sys
 from typing import Iterator
 
 from detpipe.errors import StageError
+from detpipe.lifeline import LAUNCHER_PID_ENV
 
 log = logging.getLogger("detpipe.launch")
 
@@ -166,9 +167,11 @@ def agent_fixes(ready: dict[int, socket.socket] | None = None) -> Iterator[None]
 def run_torchrun(argv: list[str], env: dict[str, str] | None = None,
                  ready: dict[int, socket.socket] | None = None) -> None:
     """Run ``torchrun <argv>`` in this process (the elastic agent), with ``env`` added to the environment the
-    workers inherit and loopback stores bound to 127.0.0.1 only and restarted nodes able to rejoin (`agent_fixes`). A failed job becomes a
-    one-line `StageError` naming the first failed rank and its exit code (the worker's own message is printed
-    above it) instead of torchrun's traceback.
+    workers inherit, and ``$DETPIPE_LAUNCHER_PID`` (`detpipe.lifeline.LAUNCHER_PID_ENV`) set to this process's
+    pid: the workers' parent, whose death kills them (`detpipe.lifeline.die_with_launcher`); loopback stores
+    bound to 127.0.0.1 only and restarted nodes able to rejoin (`agent_fixes`). A failed job becomes a one-line
+    `StageError` naming the first failed rank and its exit code (the worker's own message is printed above it)
+    instead of torchrun's traceback.
 
     Raises:
         StageError: the worker group failed more than ``--max-restarts`` times, or the rendezvous failed.
@@ -177,7 +180,7 @@ def run_torchrun(argv: list[str], env: dict[str, str] | None = None,
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import parse_args, run
 
-    os.environ.update(env or {})
+    os.environ.update({**(env or {}), LAUNCHER_PID_ENV: str(os.getpid())})  # the workers' parent: this process
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
     log.info("launching: torchrun %s", " ".join(argv))
     try:

@@ -4,9 +4,10 @@ Process tree of a stage run by the flow::
 
     serve / worker ─ flow-run process ─ guard (python detpipe/runs.py) ─ dvc repro ─ stage ─ torchrun workers
 
-* The flow-run process calls `die_with_parent`: the kernel SIGKILLs it when the serve/worker process that
-  started it dies (``prctl(PR_SET_PDEATHSIG)``), so a killed ``python -m flows.serve`` takes its runs with it;
-  their Prefect heartbeats stop and the server marks them Crashed (see flows/serve.py).
+* The flow-run process calls `detpipe.lifeline.die_with_parent`: the kernel SIGKILLs it when the serve/worker
+  process that started it dies (``prctl(PR_SET_PDEATHSIG)``), so a killed ``python -m flows.serve`` takes its
+  runs with it; their Prefect heartbeats stop and the server marks them Crashed (see flows/serve.py). The
+  torchrun workers bind themselves to their launcher the same way (`detpipe.lifeline.die_with_launcher`).
 * Each command runs under a guard process (`guard`), which is a child subreaper (``PR_SET_CHILD_SUBREAPER``:
   whatever its command leaves behind is reparented to it, never to init) and gets SIGTERM from the kernel when
   the flow-run process dies. On SIGTERM/SIGINT, or when the command exits, it stops everything below it as a
@@ -41,15 +42,6 @@ class CommandError(RuntimeError):
 def _prctl(option: int, value: int) -> None:
     if sys.platform.startswith("linux"):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(option, value, 0, 0, 0)
-
-
-def die_with_parent(sig: int = signal.SIGKILL) -> None:
-    """Have the kernel send ``sig`` to this process when its parent dies (Linux ``PR_SET_PDEATHSIG``; a no-op
-    elsewhere). If the parent is already gone, the signal is sent now."""
-    parent = os.getppid()
-    _prctl(_PR_SET_PDEATHSIG, sig)
-    if os.getppid() != parent or parent == 1:
-        os.kill(os.getpid(), sig)
 
 
 def child_env() -> dict[str, str]:

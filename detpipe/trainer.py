@@ -29,7 +29,7 @@ from detpipe import params as params_mod
 from detpipe.checkpoints import FORMAT, find_resume_state, list_checkpoints, rng_state, save_atomic, set_rng_state
 from detpipe.data import (CachedDetectionDataset, ResumableDistributedSampler, check_cache_masks, micro_batches,
                           read_meta, uses_masks)
-from detpipe.distributed import die_with_parent, setup_distributed
+from detpipe.distributed import setup_distributed
 from detpipe.elastic import EpochPlan, record_samples
 from detpipe.engine import HookBase, TrainerBase
 from detpipe.launch import LAUNCH_ONLY
@@ -298,8 +298,6 @@ def train(cfg: params_mod.Train, cache_dir: Path = CACHE_DIR, arrow_meta: Path =
         Interrupted: SIGTERM/SIGINT during training, its ``detail`` naming the iteration and the newest
         checkpoint (which is complete: checkpoints are written atomically).
     """
-    if "LOCAL_RANK" in os.environ:
-        die_with_parent()
     trainer = build_trainer(cfg, cache_dir, arrow_meta, ckpt_dir, live_dir)
     rank, model, ema, max_iter = trainer.rank, trainer.module, trainer.ema, trainer.max_iter
     state = find_resume_state(cfg.resume, trainer.fingerprint, ckpt_dir) if rank == 0 else None

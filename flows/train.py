@@ -32,7 +32,7 @@ from prefect.runtime import flow_run
 from detpipe import overrides as ov
 from detpipe import params as params_mod
 from detpipe import remotes as rm
-from detpipe import runs, workspace
+from detpipe import lifeline, runs, workspace
 from detpipe.repo import repair
 
 STAGES = ("download", "convert", "augment", "train", "evaluate", "export")
@@ -129,7 +129,7 @@ def train(overrides: dict[str, Any] | None = None, repo: str | None = None, upto
             before any work), or a stage failing after its retries.
     """
     if os.environ.get("PREFECT__FLOW_RUN_ID"):  # started by serve or a worker: die with it (see detpipe.runs)
-        runs.die_with_parent()
+        lifeline.die_with_parent()
     logger = get_run_logger()
     root = workspace.resolve_repo(repo or os.environ.get(REPO_ENV) or DEFAULT_REPO, STAGES)
     overrides = ov.normalize(overrides)

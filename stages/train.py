@@ -3,8 +3,10 @@
 ``python -m stages.train`` (the DVC stage command) checks params and inputs, then launches
 ``torchrun --rdzv-backend c10d ... -m stages.train`` (`detpipe.launch`; under Slurm with ``train.launcher:
 slurm``); each worker (detected by torchrun's ``LOCAL_RANK`` variable) trains with DDP — gloo on CPU, nccl on
-CUDA. ``python -m stages.train --emit slurm|k8s`` writes the Slurm script / Kubernetes manifest instead
-(README "Multi-node").
+CUDA. A worker binds itself to its launcher as it starts, before it imports torch: the kernel kills it when
+the launcher dies, at once if the launcher died before (`detpipe.lifeline.die_with_launcher`), so a ``kill -9``
+of the stage never leaves workers training on beside the next run. ``python -m stages.train --emit slurm|k8s``
+writes the Slurm script / Kubernetes manifest instead (README "Multi-node").
 
 Outputs: ``checkpoints/ckpt-NNNNNNN.pt`` (kept across runs: ``persist: true`` in dvc.yaml), ``models/model.pt``
 (``{"model": state_dict, "config": {...}}`` for the evaluate and export stages), ``dvclive/`` (training
@@ -23,42 +25,53 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from detpipe import k8s, params as params_mod, slurm
 from detpipe.errors import StageError, run_stage
-from detpipe.io import atomic_write_bytes
 from detpipe.launch import default_run_id, launch_env, launch_local, torchrun_args
-from detpipe.trainer import build_detector, train
+from detpipe.lifeline import die_with_launcher
+
+if TYPE_CHECKING:
+    from detpipe.params import Train
+
+# Only light modules above (standard library only); the heavy ones (torch, pydantic, pyarrow) are imported
+# where used, so that a worker is bound to its launcher before it imports them (`main`).
 
 
-def check_inputs(cfg: params_mod.Train) -> None:
+def check_inputs(cfg: Train) -> None:
     """Fail fast, before launching workers, on problems every worker would hit (one-line StageError): missing
     inputs, unknown model, a mask model on a cache without masks, a weights file that does not exist."""
+    from detpipe.trainer import build_detector
+
     build_detector(cfg)
     if cfg.weights and "://" not in cfg.weights and not Path(cfg.weights).exists() and \
             ("/" in cfg.weights or cfg.weights.endswith((".pt", ".pth"))):
         raise StageError(f"params.yaml: key 'train.weights': file '{cfg.weights}' not found")
 
 
-def launch_args(cfg: params_mod.Train, endpoint: str | None = None, run_id: str | None = None) -> list[str]:
+def launch_args(cfg: Train, endpoint: str | None = None, run_id: str | None = None) -> list[str]:
     """torchrun arguments of this stage (see `detpipe.launch.torchrun_args`): c10d rendezvous at ``endpoint``
     (default ``train.rdzv_endpoint``) under job id ``run_id`` (default `detpipe.launch.default_run_id`)."""
     return torchrun_args(cfg, "stages.train", endpoint or cfg.rdzv_endpoint, run_id or default_run_id(cfg))
 
 
-def launch(cfg: params_mod.Train) -> None:
+def launch(cfg: Train) -> None:
     """``train.launcher: local``: run torchrun here (`detpipe.launch.launch_local`). ``slurm`` (outside a Slurm
     job): submit `emit`'s sbatch script, stream its log to stdout, wait; cancel the job on SIGTERM/SIGINT.
     Raises `StageError` when the job fails."""
+    from detpipe import slurm
+
     if cfg.launcher == "slurm" and "SLURM_JOB_ID" not in os.environ:
         slurm.run_job(emit(cfg, "slurm"), Path.cwd())
     else:
         launch_local(cfg, "stages.train")
 
 
-def emit(cfg: params_mod.Train, kind: str) -> str:
+def emit(cfg: Train, kind: str) -> str:
     """The job description for a scheduler: ``slurm`` (an sbatch script, `detpipe.slurm.sbatch_script`) or
     ``k8s`` (a Kubeflow PyTorchJob manifest, `detpipe.k8s.pytorchjob_manifest`), for the current params."""
+    from detpipe import k8s, slurm
+
     if kind == "slurm":
         port = cfg.rdzv_endpoint.rsplit(":", 1)[1]
         return slurm.sbatch_script(cfg, launch_args(cfg, f"${{RDZV_HOST}}:{port}", "${SLURM_JOB_ID}"),
@@ -68,18 +81,28 @@ def emit(cfg: params_mod.Train, kind: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Worker (under torchrun): train. Otherwise check inputs and launch (``train.launcher``), or with
-    ``--emit slurm|k8s [--out FILE]`` only write the job description for the current params."""
+    """Worker (under torchrun): first bind to the launcher (`detpipe.lifeline.die_with_launcher`), then train.
+    Otherwise check inputs and launch (``train.launcher``), or with ``--emit slurm|k8s [--out FILE]`` only
+    write the job description for the current params."""
+    worker = "LOCAL_RANK" in os.environ
+    if worker:
+        die_with_launcher()
     import argparse
+
+    from detpipe import params as params_mod
 
     ap = argparse.ArgumentParser(prog="python -m stages.train", description=__doc__.splitlines()[0])
     ap.add_argument("--emit", choices=["slurm", "k8s"], help="write the Slurm sbatch script or Kubernetes manifest")
     ap.add_argument("--out", type=Path, help="file to write (default: stdout)")
     args = ap.parse_args(argv)
     cfg = params_mod.load("train")
-    if "LOCAL_RANK" in os.environ:
+    if worker:
+        from detpipe.trainer import train
+
         train(cfg)
     elif args.emit:
+        from detpipe.io import atomic_write_bytes
+
         text = emit(cfg, args.emit)
         if args.out:
             atomic_write_bytes(args.out, text.encode())

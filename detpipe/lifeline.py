@@ -1,0 +1,42 @@
+"""Tie a process's life to its parent's (Linux ``prctl(PR_SET_PDEATHSIG)``), race-free. Standard library only,
+so a process binds itself first thing, before heavy imports.
+
+Users: a torchrun worker of a stage (`die_with_launcher`, called by ``python -m stages.train`` before it imports
+torch), so a ``kill -9`` of the stage never leaves orphan workers writing checkpoints beside a rerun; the flow-run
+process started by serve or a Prefect worker (``flows/train.py``, see `detpipe.runs`).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+
+# Set by the launcher (`detpipe.launch.run_torchrun`, the elastic agent in the launcher's own process) for its
+# workers: the pid of their parent, so a worker that starts after its launcher died notices.
+LAUNCHER_PID_ENV = "DETPIPE_LAUNCHER_PID"
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_parent(sig: int = signal.SIGKILL, expected_parent: int | None = None) -> None:
+    """Have the kernel send ``sig`` to this process when its parent dies (``PR_SET_PDEATHSIG``; no kernel
+    binding outside Linux). The parent is checked after the signal is set: if it is already gone (the parent
+    pid is not ``expected_parent`` when given, changed since before the call, or is 1), ``sig`` is sent now.
+
+    ``expected_parent`` closes the window between this process's start and the call: a parent that died
+    then is no longer this process's parent (it was reparented to init or a subreaper), which a parent pid
+    read only here cannot tell."""
+    before = os.getppid()
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    now = os.getppid()
+    if now != before or now == 1 or (expected_parent is not None and now != expected_parent):
+        os.kill(os.getpid(), sig)
+
+
+def die_with_launcher() -> None:
+    """For a torchrun worker, first thing: SIGKILL this process when its launcher dies, now if it already has.
+    The launcher is ``$DETPIPE_LAUNCHER_PID`` where `detpipe.launch.run_torchrun` set it, else the parent as it
+    is now (plain ``torchrun``, as in the Slurm and Kubernetes jobs)."""
+    launcher = os.environ.get(LAUNCHER_PID_ENV)
+    die_with_parent(signal.SIGKILL, int(launcher) if launcher else None)
