@@ -147,7 +147,7 @@ def validation_floor(folder: Path, workers: int, write_to: Path | None = None) -
 
 CONVERT_CODE = ("import sys, json; from stages.convert import convert; from detpipe.params import Convert; "
                 "convert(sys.argv[1], sys.argv[2], Convert(**json.loads(sys.argv[3])), progress=False)")
-JSON_ONLY_CODE = ("import sys, json; from pathlib import Path; import stages.convert; import detpipe.coco as c; "
+JSON_ONLY_CODE = ("import sys, json; from pathlib import Path; import stages.convert; import detpipe.data.coco as c; "
                   "p = Path(sys.argv[1]) / 'annotations/instances_train2017.json'; d, _ = c.load_json(p); "
                   "c.check_coco(d, p); c.index(d, p, 'train', c.Report())")
 

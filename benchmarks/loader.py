@@ -1,6 +1,6 @@
 """Benchmark: images/s of our cached loader vs the classic JPEG pipeline, same images, same tensors, same run.
 
-* ours: `detpipe.data.CachedDetectionDataset` over the augment stage's cache (memory-mapped uint8 pixels).
+* ours: `detpipe.data.dataset.CachedDetectionDataset` over the augment stage's cache (memory-mapped uint8 pixels).
 * baseline: ``torchvision.datasets.CocoDetection`` (PIL decode, RGB) wrapped by
   ``torchvision.datasets.wrap_dataset_for_transforms_v2``, then ``torchvision.transforms.v2``: ``to_image``,
   ``resize`` to the very size the augment stage uses (bilinear, antialias=True, on uint8 — what the cache holds),
@@ -9,7 +9,7 @@
 Both produce float32 CHW images in [0, 1] plus XYXY boxes for the same train-split images; on a sample the
 images are asserted equal within one pixel level (1/255) and the non-crowd boxes within 1e-3 px (COCO128 has no
 EXIF-rotated image, so CocoDetection's missing EXIF transpose does not matter). Both go through a
-``torch.utils.data.DataLoader`` with batch size ``--batch-size`` (8), ``collate_fn=detpipe.data.collate``, no
+``torch.utils.data.DataLoader`` with batch size ``--batch-size`` (8), ``collate_fn=detpipe.data.dataset.collate``, no
 flips, in the same fixed order; one warm-up batch (worker start-up included) is not timed, then at least
 ``--batches`` batches and ``--min-seconds`` are. Each (loader, num_workers) is measured ``--rounds`` times,
 alternating, and the best round counts. The main process uses ``--threads`` (1) torch threads.
@@ -45,9 +45,9 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks._workdir import cached_workdir  # noqa: E402
 from detpipe import params as params_mod  # noqa: E402
-from detpipe.augmentation import target_size  # noqa: E402
+from detpipe.data.augmentation import target_size  # noqa: E402
 from stages.augment import build_cache  # noqa: E402
-from detpipe.data import CachedDetectionDataset, collate  # noqa: E402
+from detpipe.data.dataset import CachedDetectionDataset, collate  # noqa: E402
 
 
 class _Cycle(Sampler[int]):

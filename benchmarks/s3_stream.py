@@ -3,9 +3,9 @@
 A real SeaweedFS S3 server (``weed mini``, tests/s3server.py) holds the augment stage's cache of COCO128 (default
 params: JPEG, with ``--shard-mb`` small enough that the 102 train images make several shards). A local TCP proxy
 in front of it delays the first byte of every response by D ms (AWS S3 from EC2: typically 20-50 ms first-byte
-latency). Both sides run `detpipe.data.micro_batches` — the training input — with the same batch size, workers
+latency). Both sides run `detpipe.data.dataset.micro_batches` — the training input — with the same batch size, workers
 and sampler (shard-aware, seed 0): over the URL (whole shards prefetched into a bounded local folder by
-`detpipe.streaming.ShardPrefetcher`) and over the local cache folder. Each measurement skips one warm-up step, then
+`detpipe.data.streaming.ShardPrefetcher`) and over the local cache folder. Each measurement skips one warm-up step, then
 times at least ``--epochs`` epochs.
 
     python -m benchmarks.s3_stream [--delays 0 5 20 50] [--batch-size 8] [--workers 0] [--epochs 6] [--rounds 2]
@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from benchmarks._workdir import cached_workdir  # noqa: E402
 from detpipe import params as params_mod  # noqa: E402
-from detpipe.data import CachedDetectionDataset, ResumableDistributedSampler, micro_batches  # noqa: E402
+from detpipe.data.dataset import CachedDetectionDataset, ResumableDistributedSampler, micro_batches  # noqa: E402
 from s3server import running_s3_server  # noqa: E402
 from stages.augment import build_cache  # noqa: E402
 

@@ -19,8 +19,8 @@ from torch.utils.data import DataLoader
 
 from benchmarks._workdir import cached_workdir
 from detpipe import params as params_mod
-from detpipe.data import ResumableDistributedSampler, collate
-from detpipe.engine import HookBase
+from detpipe.data.dataset import ResumableDistributedSampler, collate
+from detpipe.engine.train_loop import HookBase
 
 
 class _StepClock(HookBase):
@@ -41,7 +41,7 @@ class _StepClock(HookBase):
 
 
 def ours(cfg: params_mod.Train, work: Path, iters: int, warmup: int) -> float:
-    from detpipe.trainer import build_trainer
+    from detpipe.engine.trainer import build_trainer
 
     for d in ("checkpoints", "dvclive"):
         shutil.rmtree(work / d, ignore_errors=True)
@@ -53,7 +53,7 @@ def ours(cfg: params_mod.Train, work: Path, iters: int, warmup: int) -> float:
 
 
 def bare(cfg: params_mod.Train, work: Path, iters: int, warmup: int) -> float:
-    from detpipe.data import CachedDetectionDataset
+    from detpipe.data.dataset import CachedDetectionDataset
     from detpipe.models import build_from_config, model_config
     import json
 

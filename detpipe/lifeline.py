@@ -3,7 +3,7 @@ so a process binds itself first thing, before heavy imports.
 
 Users: a torchrun worker of a stage (`die_with_launcher`, called by ``python -m stages.train`` before it imports
 torch), so a ``kill -9`` of the stage never leaves orphan workers writing checkpoints beside a rerun; the flow-run
-process started by serve or a Prefect worker (``flows/train.py``, see `detpipe.runs`).
+process started by serve or a Prefect worker (``flows/train.py``, see `detpipe.ops.processes`).
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 
-# Set by the launcher (`detpipe.launch.run_torchrun`, the elastic agent in the launcher's own process) for its
+# Set by the launcher (`detpipe.launch.torchrun.run_torchrun`, the elastic agent in the launcher's own process) for its
 # workers: the pid of their parent, so a worker that starts after its launcher died notices.
 LAUNCHER_PID_ENV = "DETPIPE_LAUNCHER_PID"
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -36,7 +36,7 @@ def die_with_parent(sig: int = signal.SIGKILL, expected_parent: int | None = Non
 
 def die_with_launcher() -> None:
     """For a torchrun worker, first thing: SIGKILL this process when its launcher dies, now if it already has.
-    The launcher is ``$DETPIPE_LAUNCHER_PID`` where `detpipe.launch.run_torchrun` set it, else the parent as it
+    The launcher is ``$DETPIPE_LAUNCHER_PID`` where `detpipe.launch.torchrun.run_torchrun` set it, else the parent as it
     is now (plain ``torchrun``, as in the Slurm and Kubernetes jobs)."""
     launcher = os.environ.get(LAUNCHER_PID_ENV)
     die_with_parent(signal.SIGKILL, int(launcher) if launcher else None)

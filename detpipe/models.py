@@ -11,7 +11,7 @@ import torchvision
 from torch import nn
 
 from detpipe.errors import StageError
-from detpipe.io import read_url_bytes
+from detpipe.files import read_url_bytes
 from detpipe.paths import MODEL
 
 log = logging.getLogger("detpipe.models")

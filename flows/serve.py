@@ -5,7 +5,7 @@ Crashes are told by Prefect's own mechanism: every flow run sends a heartbeat ev
 `ZOMBIE_AUTOMATION` (created or updated here, the recipe of https://docs.prefect.io/v3/advanced/detect-zombie-flows)
 marks a Running flow run Crashed when no heartbeat came for `zombie_after_s` seconds (``DETPIPE_ZOMBIE_AFTER_S``,
 default `ZOMBIE_AFTER_S` = 90: three missed heartbeats). A run whose serve/worker process is killed dies with it
-(`detpipe.runs`), so it is Crashed at most ``zombie_after_s`` + the server's trigger evaluation period (5 s)
+(`detpipe.ops.processes`), so it is Crashed at most ``zombie_after_s`` + the server's trigger evaluation period (5 s)
 after the kill; ``prefect flow-run retry <id>`` then resumes it. Runs at once: the deployment's
 ``concurrency_limit`` (``flows.max_parallel``); more wait in Prefect's AwaitingConcurrencySlot state.
 
@@ -16,7 +16,7 @@ Trigger a run with ``prefect deployment run train/main --params '{"overrides": {
 ``python -m flows.serve --work-pool POOL`` instead registers ``train/main`` on a work pool (created as a
 ``process`` pool if missing) and exits; ``prefect worker start --pool POOL`` on each machine then runs it.
 ``--source GIT_URL [--branch B]`` registers ``train/<B>`` (or ``--name``) whose workers clone that branch into a
-temporary folder: its runs sync with the remotes (``DETPIPE_SYNC=1``, `detpipe.remotes`). Each code source is
+temporary folder: its runs sync with the remotes (``DETPIPE_SYNC=1``, `detpipe.ops.remotes`). Each code source is
 its own deployment: a name already registered for another source (the checkout, another URL or branch) is
 refused, so a retry always runs the code its deployment names.
 
@@ -33,9 +33,9 @@ import sys
 from datetime import timedelta
 
 from detpipe import params as params_mod
-from detpipe.overrides import json_schema
+from detpipe.ops.overrides import json_schema
 
-from detpipe.remotes import SYNC_ENV
+from detpipe.ops.remotes import SYNC_ENV
 
 from flows.sweep import sweep
 from flows.train import DEFAULT_REPO, REPO_ENV, train
@@ -105,7 +105,7 @@ def ensure_zombie_automation() -> None:
 
 
 def with_schema(deployment):
-    """``deployment`` (a `RunnerDeployment` of `train`) with `detpipe.overrides.json_schema` as its
+    """``deployment`` (a `RunnerDeployment` of `train`) with `detpipe.ops.overrides.json_schema` as its
     ``overrides`` parameter schema."""
     schema = deployment._parameter_openapi_schema  # Prefect's ParameterSchema built from the signature
     position = schema.properties.get("overrides", {}).get("position", 0)

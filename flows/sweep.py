@@ -19,9 +19,9 @@ from prefect.cache_policies import NO_CACHE
 from prefect.client.orchestration import get_client
 from prefect.runtime import flow_run
 
-from detpipe import overrides as ov
+from detpipe.ops import overrides as ov
 from detpipe import params as params_mod
-from detpipe import workspace
+from detpipe.ops import workspace
 from flows.train import DEFAULT_REPO, REPO_ENV, STAGES, experiment_name, report, train
 
 LIMIT_TAG = "detpipe-experiment"
@@ -37,7 +37,7 @@ def experiment(overrides: dict[str, Any], repo: str, name: str) -> dict:
 @flow(name="train", persist_result=True)
 def sweep(grid: dict[str, Any] | None = None, runs: list[dict[str, Any]] | None = None,
           repo: str | None = None) -> list[dict]:
-    """Run every override set of ``grid``/``runs`` (see `detpipe.overrides.expand`) as an experiment named
+    """Run every override set of ``grid``/``runs`` (see `detpipe.ops.overrides.expand`) as an experiment named
     ``<sweep run name>-<i>``; returns their results and publishes table artifact ``sweep-results`` (runs ×
     overrides × AP, AP50)."""
     sets = ov.expand(grid, runs)

@@ -2,13 +2,13 @@
 
 ``python -m flows.train [--param train.lr=0.01 ...] [--repo PATH]`` runs it once in this process; ``python -m
 flows.serve`` serves it as deployment ``train/main``. A run works in a git worktree of the repository's commit
-sharing its DVC cache (`detpipe.workspace`), writes its overrides into that worktree's params.yaml
-(`detpipe.overrides`), runs ``dvc repro --single-item <stage>`` per stage task (DVC skips what is up to date;
-commands bound to the run's life by `detpipe.runs`) and saves the worktree as DVC experiment named after the
+sharing its DVC cache (`detpipe.ops.workspace`), writes its overrides into that worktree's params.yaml
+(`detpipe.ops.overrides`), runs ``dvc repro --single-item <stage>`` per stage task (DVC skips what is up to date;
+commands bound to the run's life by `detpipe.ops.processes`) and saves the worktree as DVC experiment named after the
 flow run (``dvc exp save``, with the ``cache: false`` metrics and plots ``dvc exp run`` would commit).
 
 With ``sync`` (always in a ``--source`` deployment, whose clone is thrown away) the run also pulls from and
-pushes to the team's remotes (`detpipe.remotes`): it fails at once without them, continues an experiment of
+pushes to the team's remotes (`detpipe.ops.remotes`): it fails at once without them, continues an experiment of
 its name an earlier attempt pushed, pushes each stage's outputs, training's checkpoints while it runs and what
 it has when it fails, and ends with ``dvc exp push origin <name>``.
 """
@@ -29,11 +29,13 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
-from detpipe import overrides as ov
+from detpipe.ops import overrides as ov
 from detpipe import params as params_mod
-from detpipe import remotes as rm
-from detpipe import lifeline, runs, workspace
-from detpipe.repo import repair
+from detpipe.ops import remotes as rm
+from detpipe import lifeline
+from detpipe.ops import processes as runs
+from detpipe.ops import workspace
+from detpipe.ops.repair import repair
 
 STAGES = ("download", "convert", "augment", "train", "evaluate", "export")
 DEFAULT_REPO = Path(__file__).resolve().parent.parent
@@ -47,7 +49,7 @@ def run_stage(stage: str, ws: str, sync: rm.Run | None = None, push_every: int =
     ``sync`` also ``--pull``, checkpoints pushed as partial experiment every ``push_every`` while training,
     and the outputs pushed afterwards. Returns ``"ran"``, ``"restored"`` (from DVC's run-cache) or
     ``"skipped"`` (up to date). Raises `runs.CommandError`.
-    First `detpipe.repo.repair` undoes what a killed DVC left (cut lock files, temporary folders)."""
+    First `detpipe.ops.repair.repair` undoes what a killed DVC left (cut lock files, temporary folders)."""
     logger, ws = get_run_logger(), Path(ws)
     for note in repair(ws):
         logger.warning("repair: %s", note)
@@ -64,7 +66,7 @@ def run_stage(stage: str, ws: str, sync: rm.Run | None = None, push_every: int =
 @task(name="experiment", task_run_name="exp-save-{name}", retries=1, cache_policy=NO_CACHE, persist_result=False)
 def save_experiment(name: str, ws: str, sync: rm.Run | None = None) -> str:
     """``dvc exp save --name <name> --force`` (a retry replaces its own experiment) with the pipeline's
-    untracked files, with ``sync`` pushed (`detpipe.remotes.push_experiment`); returns the experiment's git ref."""
+    untracked files, with ``sync`` pushed (`detpipe.ops.remotes.push_experiment`); returns the experiment's git ref."""
     args = ["exp", "save", "--name", name, "--force"]
     for path in workspace.untracked_pipeline_files(Path(ws)):
         args += ["--include-untracked", path]
@@ -119,16 +121,16 @@ def train(overrides: dict[str, Any] | None = None, repo: str | None = None, upto
         overrides: params.yaml overrides, ``{"train.lr": 0.01}`` (or ``{"train": {"lr": 0.01}}``).
         repo: repository to run in (default ``$DETPIPE_REPO``, else the one holding this file).
         upto: last stage to run; before ``export`` the run is no experiment (a sweep's shared stages).
-        sync: pull from and push to the git remote ``origin`` and the default DVC remote (`detpipe.remotes`);
+        sync: pull from and push to the git remote ``origin`` and the default DVC remote (`detpipe.ops.remotes`);
             always on where ``$DETPIPE_SYNC`` is 1 (``--source`` deployments).
     Returns:
         `summarize`'s dict, also published as markdown artifact ``train-results``; None when ``upto`` stops
         early.
     Raises:
-        StageError: bad overrides or repository, a remote missing or unreachable (`detpipe.remotes.RemoteError`,
+        StageError: bad overrides or repository, a remote missing or unreachable (`detpipe.ops.remotes.RemoteError`,
             before any work), or a stage failing after its retries.
     """
-    if os.environ.get("PREFECT__FLOW_RUN_ID"):  # started by serve or a worker: die with it (see detpipe.runs)
+    if os.environ.get("PREFECT__FLOW_RUN_ID"):  # started by serve or a worker: die with it (see detpipe.ops.processes)
         lifeline.die_with_parent()
     logger = get_run_logger()
     root = workspace.resolve_repo(repo or os.environ.get(REPO_ENV) or DEFAULT_REPO, STAGES)

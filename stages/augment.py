@@ -4,7 +4,7 @@
 and writes, per split, ``data/cache/<split>/part-NNNNN.arrow`` (pixels) and ``data/cache/<split>/index.arrow``
 (everything but the pixels and masks), plus ``data/cache/meta.json``. The expensive, deterministic work (decode, EXIF
 orientation, RGB conversion, resize) is done here once; cheap random augmentation (horizontal flip) is applied
-at load time by `detpipe.data.CachedDetectionDataset`.
+at load time by `detpipe.data.dataset.CachedDetectionDataset`.
 
 Cache layout (Arrow IPC *file* format, uncompressed, so shards can be memory-mapped or read by byte range):
 
@@ -105,9 +105,9 @@ from detpipe import params as params_mod
 from detpipe.errors import StageError, run_stage
 from detpipe.paths import ARROW_DIR, CACHE_DIR
 from detpipe.pool import bounded_map, process_pool
-from detpipe.io import atomic_dir, atomic_write_json
-from detpipe.augmentation import process_batch
-from detpipe.cachefmt import CACHE_FORMAT, INDEX_FILE, SPLITS, ZOOM_OUT_FILL, ShardWriter, iter_source_batches
+from detpipe.files import atomic_dir, atomic_write_json
+from detpipe.data.augmentation import process_batch
+from detpipe.data.cachefmt import CACHE_FORMAT, INDEX_FILE, SPLITS, ZOOM_OUT_FILL, ShardWriter, iter_source_batches
 
 log = logging.getLogger("stages.augment")
 

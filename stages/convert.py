@@ -18,7 +18,7 @@ column             Arrow type                          meaning
 =================  ==================================  ==================================================
 ``image_id``       int64                               COCO image id (full int64 range survives)
 ``file_name``      string                              as in the JSON (relative to the image folder)
-``width``          int32                               pixels, of the image as `detpipe.imageio.decode_rgb`
+``width``          int32                               pixels, of the image as `detpipe.data.imageio.decode_rgb`
 ``height``         int32                               returns it (i.e. after EXIF orientation)
 ``image``          binary                              the original encoded file bytes, unmodified
 ``ann_id``         list<int64>                         COCO annotation ids
@@ -55,15 +55,15 @@ RLE masks are mapped to the displayed frame (``fixed``); when they instead equal
 90-degree-rotated image, the annotations are taken as already displayed-frame (``kept``). The encoded bytes are
 never modified.
 
-Validation: the rules are the table `detpipe.coco.RULES` (rule -> action, description; ``report.json`` lists
+Validation: the rules are the table `detpipe.data.coco.RULES` (rule -> action, description; ``report.json`` lists
 each with its count and first 5 examples: split, file, record, detail). Each dropped record is counted under the
 first rule it breaks; ``convert.strict: true`` turns every rule into a ``StageError`` naming the file, the record
 and the rule. Inputs that always stop the stage (``error: ... (rule '<name>')``, exit 2) are the table
-`detpipe.coco.ERRORS`: malformed JSON or records, file names no filesystem takes, JSON nested too deeply,
+`detpipe.data.coco.ERRORS`: malformed JSON or records, file names no filesystem takes, JSON nested too deeply,
 disagreeing val categories, and any split that the rules empty. Each file (train, val) has its own image-id
 space: a val file may reuse train's ids; reports name the split with every id.
 
-Image check (`detpipe.imageio.inspect_image`): JPEG files (all of COCO) are decoded with ``Image.draft`` at 1/8 scale: libjpeg
+Image check (`detpipe.data.imageio.inspect_image`): JPEG files (all of COCO) are decoded with ``Image.draft`` at 1/8 scale: libjpeg
 still entropy-decodes every block, skipping only the full-size IDCT and colour conversion, so it rejects the same
 files as ``decode_rgb`` at about 40 % of its cost (tests/test_convert.py checks the agreement on truncated and
 garbled COCO images). Other formats are decoded in full with ``decode_rgb``.
@@ -81,11 +81,11 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from detpipe.coco import Report, check_coco, gc_paused, index, load_json, split_ids
-from detpipe.cocoarrow import SCHEMA, ShardResult, ShardTask, convert_shard, plan_shards
+from detpipe.data.coco import Report, check_coco, gc_paused, index, load_json, split_ids
+from detpipe.data.cocoarrow import SCHEMA, ShardResult, ShardTask, convert_shard, plan_shards
 from detpipe.errors import StageError, log, run_stage
-from detpipe.imageio import inspect_image
-from detpipe.io import atomic_dir
+from detpipe.data.imageio import inspect_image
+from detpipe.files import atomic_dir
 from detpipe.params import Convert, load
 from detpipe.pool import bounded_map, process_pool
 from detpipe.paths import ARROW_DIR as OUT_DIR, RAW_DIR
@@ -169,8 +169,8 @@ def convert(raw_root: Path | str, out_dir: Path | str, params: Convert, *, progr
     Returns:
         ``{"meta": <meta.json>, "report": <report.json>}``.
     Raises:
-        StageError: an input of `detpipe.coco.ERRORS` (malformed annotation file, a split emptied by the
-            rules, ...), a missing image folder, or (``params.strict``) any rule of `detpipe.coco.RULES`.
+        StageError: an input of `detpipe.data.coco.ERRORS` (malformed annotation file, a split emptied by the
+            rules, ...), a missing image folder, or (``params.strict``) any rule of `detpipe.data.coco.RULES`.
     """
     from tqdm import tqdm
 

@@ -9,7 +9,7 @@ The source (params ``download.source``) is an fsspec URL or a local path:
 
 ``http(s)://`` sources are single files, fetched with `requests`: transient failures (connection errors,
 timeouts, HTTP 408/425/429/5xx) are retried with exponential backoff (`tenacity`) and a partial file is resumed
-with a ``Range: bytes=N-`` request; 4xx answers such as 403/404 fail at once (`detpipe.fetch`). ``s3://`` sources use `s3fs`;
+with a ``Range: bytes=N-`` request; 4xx answers such as 403/404 fail at once (`detpipe.data.fetch`). ``s3://`` sources use `s3fs`;
 ``download.endpoint_url`` points it at an S3-compatible store (SeaweedFS, MinIO). Credentials come only from
 the environment (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``) or the standard AWS config
 files; they are never read from params and never logged (user:password and query strings of URLs are
@@ -23,7 +23,7 @@ Archives are extracted only if their declared size is at most ``download.max_ext
 free disk space and at most ``download.max_compression_ratio`` times the archive's size (zip bombs); the
 archive's own top-level folder, if any, is kept (``data/raw/<folder>/...``).
 
-The output is written with `detpipe.io.atomic_dir`: on any failure (bad hash, unsafe archive entry,
+The output is written with `detpipe.files.atomic_dir`: on any failure (bad hash, unsafe archive entry,
 HTTP error, interrupt) ``data/raw`` keeps its previous content, or stays absent.
 """
 from __future__ import annotations
@@ -36,9 +36,9 @@ from pathlib import Path
 from typing import Optional
 
 from detpipe.errors import StageError, run_stage
-from detpipe.fetch import (BACKOFF_S, CHUNK_BYTES, MAX_COMPRESSION_RATIO, MAX_EXTRACT_BYTES, archive_kind,
+from detpipe.data.fetch import (BACKOFF_S, CHUNK_BYTES, MAX_COMPRESSION_RATIO, MAX_EXTRACT_BYTES, archive_kind,
                            check_relpath, extract, fetch, protocol, redact, source_name)
-from detpipe.io import atomic_dir, folder_sha256, sha256_file
+from detpipe.files import atomic_dir, folder_sha256, sha256_file
 from detpipe.paths import RAW_DIR
 
 log = logging.getLogger("stages.download")
@@ -98,7 +98,7 @@ def download(source: str, out: Path | str = RAW_DIR, *, sha256: Optional[str] = 
 
     A folder is copied to ``out``; an archive is fetched to a temporary file beside ``out``, checked and
     extracted into ``out``; another file is copied to ``out/<its name>``. All of it happens in a temporary
-    folder that replaces ``out`` only at the end (`detpipe.io.atomic_dir`), so on any error ``out`` keeps
+    folder that replaces ``out`` only at the end (`detpipe.files.atomic_dir`), so on any error ``out`` keeps
     its previous content or stays absent.
 
     Args:

@@ -13,7 +13,7 @@ Mask models (Mask R-CNN: ``roi_heads.has_mask()``): each detection's mask probab
 
 Writes ``metrics/eval.json`` (DVC metrics, the headline figures `dvc exp show` lists): ``bbox`` (the 12
 standard stats: AP, AP50, AP75, APs, APm, APl, AR1, AR10, AR100, ARs, ARm, ARl), for mask models ``segm`` (the same
-12 stats of the masks), ``num_images``, ``num_detections``; for ``dvc plots show`` (`detpipe.evaluation.write_plots`)
+12 stats of the masks), ``num_images``, ``num_detections``; for ``dvc plots show`` (`detpipe.evaluation.coco_evaluation.write_plots`)
 ``plots/pr_curve.json`` (bbox precision-recall at IoU 0.5 and 0.75) and ``plots/per_class_ap.json`` (bbox AP per
 class with ground truth: kept out of the metrics file so experiment tables stay narrow); and
 ``plots/val_images/*.png``: a few val images with predicted (red, score ≥ ``evaluate.plot_score_threshold``;
@@ -32,13 +32,13 @@ from pathlib import Path
 import torch.distributed as dist
 
 from detpipe import params as params_mod
-from detpipe.cocoeval import coco_evaluate
+from detpipe.evaluation.cocoeval import coco_evaluate
 from detpipe.errors import StageError, run_stage
-from detpipe.io import atomic_write_json
-from detpipe.data import CachedDetectionDataset, read_meta, uses_masks
-from detpipe.distributed import setup_distributed
-from detpipe.evaluation import gt_from_arrow, label_to_category_id, predict, write_plots
-from detpipe.launch import launch_local
+from detpipe.files import atomic_write_json
+from detpipe.data.dataset import CachedDetectionDataset, read_meta, uses_masks
+from detpipe.launch.distributed import setup_distributed
+from detpipe.evaluation.coco_evaluation import gt_from_arrow, label_to_category_id, predict, write_plots
+from detpipe.launch.torchrun import launch_local
 from detpipe.models import load_model
 from detpipe.paths import ARROW_DIR, CACHE_DIR, METRICS, MODEL, PLOTS
 

@@ -2,10 +2,10 @@
 checked against the eager model.
 
 ``python -m stages.export`` writes ``models/torch_export/model.pt2`` (``torch.export.save``; not for R-CNN models,
-see `detpipe.export.torch_export_supported`; ``torch.export.load(...).module()``
+see `detpipe.export.exporter.torch_export_supported`; ``torch.export.load(...).module()``
 takes one ``float32 (3, H, W)`` RGB image in [0, 1], H and W dynamic), ``models/model.onnx`` (opset
 ``export.opset``, ``torch.onnx.export(dynamo=False)``, input ``image`` of the same form), both with the outputs of
-`detpipe.export.DetectionExport`: ``boxes`` ``float32 (N, 4)`` XYXY input pixels, ``scores`` ``float32 (N,)``,
+`detpipe.export.exporter.DetectionExport`: ``boxes`` ``float32 (N, 4)`` XYXY input pixels, ``scores`` ``float32 (N,)``,
 ``labels`` ``int64 (N,)``, for mask models ``masks`` ``float32 (N, 1, H, W)`` (probabilities, > 0.5 in the mask),
 then the raw pre-NMS head outputs; ``models/torchscript/`` (empty, or with ``export.torchscript: true``
 ``model.ts``: ``torch.jit.script``, torchvision's ``(losses, detections)`` API, for LibTorch/C++ users);
@@ -13,7 +13,7 @@ then the raw pre-NMS head outputs; ``models/torchscript/`` (empty, or with ``exp
 
 Parity gate, on ``export.num_images`` val images: every raw head output (before top-k and NMS, so that ties among
 the near-equal scores of a barely trained model cannot reorder anything) of each file, as loaded back, must equal
-the eager model's within ``export.rtol`` of its root-mean-square magnitude (`detpipe.export.compare_raw`). The final
+the eager model's within ``export.rtol`` of its root-mean-square magnitude (`detpipe.export.exporter.compare_raw`). The final
 detections are matched too (``export.score_threshold``, ``export.iou_match``) and reported, not gated. A run that
 compared nothing fails unless ``export.require_parity: false``. Nothing is written unless every check passes.
 """
@@ -25,11 +25,11 @@ from pathlib import Path
 import torch
 
 from detpipe import params as params_mod
-from detpipe.data import CachedDetectionDataset, uses_masks
+from detpipe.data.dataset import CachedDetectionDataset, uses_masks
 from detpipe.errors import StageError, run_stage
-from detpipe.export import (TORCH_EXPORT_UNSUPPORTED, DetectionExport, export_onnx, export_program,
+from detpipe.export.exporter import (TORCH_EXPORT_UNSUPPORTED, DetectionExport, export_onnx, export_program,
                             export_torchscript, model_card, parity, split_outputs, torch_export_supported)
-from detpipe.io import atomic_dir, atomic_write_bytes, atomic_write_json
+from detpipe.files import atomic_dir, atomic_write_bytes, atomic_write_json
 from detpipe.models import load_model
 from detpipe.paths import ARROW_DIR, CACHE_DIR, METRICS, MODEL, MODELS_DIR
 
@@ -109,7 +109,7 @@ def _verdict(report: dict, cfg: params_mod.Export) -> None:
     empty = [f for f, r in report["formats"].items() if not r["raw"]["compared"]]
     if empty:
         message = (f"export parity: nothing compared for {', '.join(empty)} (the model has no head whose raw "
-                   "outputs the gate knows, see detpipe.export.raw_taps)")
+                   "outputs the gate knows, see detpipe.export.exporter.raw_taps)")
         if cfg.require_parity:
             raise StageError(message + "; set export.require_parity: false to export anyway")
         log.warning("%s; exported anyway (export.require_parity: false)", message)

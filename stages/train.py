@@ -1,7 +1,7 @@
 """Train stage: a torchvision detector trained with DDP from the augmentation cache, resumable at any point.
 
 ``python -m stages.train`` (the DVC stage command) checks params and inputs, then launches
-``torchrun --rdzv-backend c10d ... -m stages.train`` (`detpipe.launch`; under Slurm with ``train.launcher:
+``torchrun --rdzv-backend c10d ... -m stages.train`` (`detpipe.launch.torchrun`; under Slurm with ``train.launcher:
 slurm``); each worker (detected by torchrun's ``LOCAL_RANK`` variable) trains with DDP — gloo on CPU, nccl on
 CUDA. A worker binds itself to its launcher as it starts, before it imports torch: the kernel kills it when
 the launcher dies, at once if the launcher died before (`detpipe.lifeline.die_with_launcher`), so a ``kill -9``
@@ -16,7 +16,7 @@ that produced it: ``train.resume: auto`` resumes from the newest checkpoint with
 otherwise starts fresh, saying why; ``never`` always starts fresh; ``must`` stops with an error when there
 is nothing to resume.
 
-The work itself is `detpipe.trainer.train`. Without a terminal, a progress line (iteration/total, epoch, loss, lr,
+The work itself is `detpipe.engine.trainer.train`. Without a terminal, a progress line (iteration/total, epoch, loss, lr,
 images/s, ETA) is logged every ``train.log_every_s`` seconds. SIGTERM or SIGINT stops training with one line
 ``error: interrupted by SIGTERM at iteration N; checkpoint ckpt-NNNNNNN.pt kept`` and exit status 128 + signal;
 that checkpoint is complete (written atomically) and the next run resumes from it.
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from detpipe.errors import StageError, run_stage
-from detpipe.launch import default_run_id, launch_env, launch_local, torchrun_args
+from detpipe.launch.torchrun import default_run_id, launch_env, launch_local, torchrun_args
 from detpipe.lifeline import die_with_launcher
 
 if TYPE_CHECKING:
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 def check_inputs(cfg: Train) -> None:
     """Fail fast, before launching workers, on problems every worker would hit (one-line StageError): missing
     inputs, unknown model, a mask model on a cache without masks, a weights file that does not exist."""
-    from detpipe.trainer import build_detector
+    from detpipe.engine.trainer import build_detector
 
     build_detector(cfg)
     if cfg.weights and "://" not in cfg.weights and not Path(cfg.weights).exists() and \
@@ -50,16 +50,16 @@ def check_inputs(cfg: Train) -> None:
 
 
 def launch_args(cfg: Train, endpoint: str | None = None, run_id: str | None = None) -> list[str]:
-    """torchrun arguments of this stage (see `detpipe.launch.torchrun_args`): c10d rendezvous at ``endpoint``
-    (default ``train.rdzv_endpoint``) under job id ``run_id`` (default `detpipe.launch.default_run_id`)."""
+    """torchrun arguments of this stage (see `detpipe.launch.torchrun.torchrun_args`): c10d rendezvous at ``endpoint``
+    (default ``train.rdzv_endpoint``) under job id ``run_id`` (default `detpipe.launch.torchrun.default_run_id`)."""
     return torchrun_args(cfg, "stages.train", endpoint or cfg.rdzv_endpoint, run_id or default_run_id(cfg))
 
 
 def launch(cfg: Train) -> None:
-    """``train.launcher: local``: run torchrun here (`detpipe.launch.launch_local`). ``slurm`` (outside a Slurm
+    """``train.launcher: local``: run torchrun here (`detpipe.launch.torchrun.launch_local`). ``slurm`` (outside a Slurm
     job): submit `emit`'s sbatch script, stream its log to stdout, wait; cancel the job on SIGTERM/SIGINT.
     Raises `StageError` when the job fails."""
-    from detpipe import slurm
+    from detpipe.launch.torchrun import slurm
 
     if cfg.launcher == "slurm" and "SLURM_JOB_ID" not in os.environ:
         slurm.run_job(emit(cfg, "slurm"), Path.cwd())
@@ -68,9 +68,10 @@ def launch(cfg: Train) -> None:
 
 
 def emit(cfg: Train, kind: str) -> str:
-    """The job description for a scheduler: ``slurm`` (an sbatch script, `detpipe.slurm.sbatch_script`) or
-    ``k8s`` (a Kubeflow PyTorchJob manifest, `detpipe.k8s.pytorchjob_manifest`), for the current params."""
-    from detpipe import k8s, slurm
+    """The job description for a scheduler: ``slurm`` (an sbatch script, `detpipe.launch.slurm.sbatch_script`) or
+    ``k8s`` (a Kubeflow PyTorchJob manifest, `detpipe.launch.k8s.pytorchjob_manifest`), for the current params."""
+    from detpipe.launch.torchrun import k8s
+    from detpipe.launch.torchrun import slurm
 
     if kind == "slurm":
         port = cfg.rdzv_endpoint.rsplit(":", 1)[1]
@@ -97,11 +98,11 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     cfg = params_mod.load("train")
     if worker:
-        from detpipe.trainer import train
+        from detpipe.engine.trainer import train
 
         train(cfg)
     elif args.emit:
-        from detpipe.io import atomic_write_bytes
+        from detpipe.files import atomic_write_bytes
 
         text = emit(cfg, args.emit)
         if args.out:

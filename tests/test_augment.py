@@ -22,11 +22,11 @@ from torchvision.transforms.v2 import functional as TF
 from support.pipeline import COCO128, stage_cli, write_params
 from support.procs import REPO
 from detpipe import params as params_mod
-from detpipe.augmentation import process_image, target_size
-from detpipe.cachefmt import INDEX_FILE, ZOOM_OUT_FILL
+from detpipe.data.augmentation import process_image, target_size
+from detpipe.data.cachefmt import INDEX_FILE, ZOOM_OUT_FILL
 from stages.augment import build_cache
 from detpipe.errors import StageError
-from detpipe.data import CachedDetectionDataset
+from detpipe.data.dataset import CachedDetectionDataset
 
 
 def _coco(work: Path) -> dict:
@@ -309,4 +309,4 @@ def test_dvc_stage_lists_all_code_and_params_it_reads():
     listed = {p.removeprefix("augment.") for p in stage["params"]}
     assert listed == set(params_mod.Augment.model_fields) - {"workers"}
     for name in ("train", "evaluate", "export"):
-        assert "detpipe/data.py" in yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"][name]["deps"]
+        assert "detpipe/data/dataset.py" in yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"][name]["deps"]

@@ -12,7 +12,7 @@ import pytest
 from pycocotools import mask as mask_utils
 
 from detpipe.errors import StageError
-from detpipe.cocoeval import BACKENDS, STAT_NAMES, CocoResult, coco_evaluate, pr_curve_rows
+from detpipe.evaluation.cocoeval import BACKENDS, STAT_NAMES, CocoResult, coco_evaluate, pr_curve_rows
 
 REF = Path(__file__).parent / "data" / "coco_eval_reference"
 

@@ -18,9 +18,9 @@ from PIL import Image, ImageDraw
 from pycocotools import mask as mask_utils
 
 from detpipe.errors import StageError
-from detpipe.coco import RULES
+from detpipe.data.coco import RULES
 from stages.convert import SCHEMA, convert, inspect_image, split_ids
-from detpipe.imageio import decode_rgb
+from detpipe.data.imageio import decode_rgb
 from detpipe.params import Convert
 
 REPO = Path(__file__).resolve().parents[1]

@@ -17,7 +17,7 @@ from torchvision.transforms.v2 import functional as TF
 
 from detpipe import params as params_mod
 from detpipe.errors import StageError
-from detpipe.data import CachedDetectionDataset, ResumableDistributedSampler, collate, micro_batches
+from detpipe.data.dataset import CachedDetectionDataset, ResumableDistributedSampler, collate, micro_batches
 from stages.augment import build_cache
 
 

@@ -22,8 +22,8 @@ import pytest
 import yaml
 
 from detpipe.errors import StageError
-from detpipe.fetch import extract, fetch, http_fetch
-from detpipe.io import folder_sha256
+from detpipe.data.fetch import extract, fetch, http_fetch
+from detpipe.files import folder_sha256
 from stages.download import download
 from support.procs import run
 

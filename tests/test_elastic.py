@@ -176,8 +176,8 @@ def test_world_size_shrinks_every_sample_once(cached_workdir, tmp_path):
 def test_epoch_plan_matches_plain_schedule_and_finishes_a_resized_epoch():
     """`EpochPlan` without a change of world size is the plain ``divmod`` schedule; after one it finishes the
     interrupted epoch first (its length read from the sampler) and then counts whole epochs."""
-    from detpipe.data import ResumableDistributedSampler
-    from detpipe.elastic import EpochPlan
+    from detpipe.data.dataset import ResumableDistributedSampler
+    from detpipe.launch.elastic import EpochPlan
 
     plain = EpochPlan(iters_per_epoch=4, per_step=2)
     assert [plain.locate(i) for i in range(9)] == [(i // 4, i % 4 * 2, 0) for i in range(9)]
@@ -212,7 +212,7 @@ def test_emitted_job_runs_the_local_launchers_command(tmp_path, monkeypatch, kin
 
     import yaml
 
-    from detpipe.launch import launch_env
+    from detpipe.launch.torchrun import launch_env
     from detpipe.params import load
     from stages.train import emit, launch_args
 

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from support.pipeline import stage_cli
-from detpipe.data import CachedDetectionDataset, read_meta
-from detpipe.evaluation import gt_from_arrow, label_to_category_id
-from detpipe.cocoeval import coco_evaluate
+from detpipe.data.dataset import CachedDetectionDataset, read_meta
+from detpipe.evaluation.coco_evaluation import gt_from_arrow, label_to_category_id
+from detpipe.evaluation.cocoeval import coco_evaluate
 
 
 def test_cached_boxes_map_back_to_original(cached_workdir):

@@ -13,9 +13,9 @@ import torch
 import yaml
 
 from support.pipeline import stage_cli, write_params
-from detpipe.data import CachedDetectionDataset, collate
+from detpipe.data.dataset import CachedDetectionDataset, collate
 from detpipe.errors import StageError
-from detpipe.export import DetectionExport, compare_raw, match_detections, split_outputs
+from detpipe.export.exporter import DetectionExport, compare_raw, match_detections, split_outputs
 from detpipe.models import build_model, model_config
 from detpipe.params import Export
 
@@ -149,7 +149,7 @@ def test_compare_raw_rejects_disagreement():
 
 def test_nothing_compared_fails_unless_opted_out(trained_workdir, tmp_path, monkeypatch):
     """A model without a known head: the stage fails (nothing compared) unless export.require_parity is false."""
-    import detpipe.export as export_mod
+    import detpipe.export.exporter as export_mod
     from stages.export import export
 
     work = tmp_path / "w"

@@ -29,11 +29,11 @@ from support.repos import clone_with_cache, snapshot
 import yaml
 
 from detpipe import params as params_mod
-from detpipe.overrides import OverrideError
-from detpipe.overrides import apply as apply_overrides
-from detpipe.overrides import json_schema as overrides_schema
-from detpipe.overrides import normalize as normalize_overrides
-from detpipe.overrides import parse as parse_overrides
+from detpipe.ops.overrides import OverrideError
+from detpipe.ops.overrides import apply as apply_overrides
+from detpipe.ops.overrides import json_schema as overrides_schema
+from detpipe.ops.overrides import normalize as normalize_overrides
+from detpipe.ops.overrides import parse as parse_overrides
 
 # ---------------------------------------------------------------------------------------------- fast tests
 

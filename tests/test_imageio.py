@@ -1,4 +1,4 @@
-"""detpipe.imageio.decode_rgb scales 16-bit, 32-bit integer and float images to 8 bit as its docstring says,
+"""detpipe.data.imageio.decode_rgb scales 16-bit, 32-bit integer and float images to 8 bit as its docstring says,
 on a real COCO128 image turned into such files with PIL."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from detpipe.imageio import decode_rgb, inspect_image
+from detpipe.data.imageio import decode_rgb, inspect_image
 
 COCO_IMAGE = Path(__file__).resolve().parents[1] / "data" / "coco128" / "train2017" / "000000000009.jpg"
 

@@ -10,18 +10,33 @@ ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("download", "convert", "augment", "train", "evaluate", "export")
 
 
+def _module_file(module: str) -> Path | None:
+    """The file of project module ``module`` (``detpipe.data.coco`` -> detpipe/data/coco.py, a package -> its
+    ``__init__.py``), or None when it is not one of the project's."""
+    base = ROOT / module.replace(".", "/")
+    for p in (base.with_suffix(".py"), base / "__init__.py"):
+        if p.is_file():
+            return p
+    return None
+
+
 def _imports(path: Path) -> set[str]:
-    """Top-level package modules (``detpipe.x``, ``stages.x``) imported anywhere in ``path``."""
+    """Project modules (``detpipe...``, ``stages...``) imported anywhere in ``path``, as dotted names: for ``from
+    package import name`` the submodule when ``name`` is one, else the package; every enclosing package too
+    (importing ``detpipe.data.coco`` runs ``detpipe/data/__init__.py``)."""
     mods: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            if node.module in ("detpipe", "stages"):
-                mods.update(f"{node.module}.{a.name}" for a in node.names)
-            elif node.module.split(".")[0] in ("detpipe", "stages"):
-                mods.add(".".join(node.module.split(".")[:2]))
+            if node.module.split(".")[0] in ("detpipe", "stages"):
+                mods.add(node.module)
+                mods.update(f"{node.module}.{a.name}" for a in node.names
+                            if _module_file(f"{node.module}.{a.name}"))
         elif isinstance(node, ast.Import):
-            mods.update(".".join(a.name.split(".")[:2]) for a in node.names if a.name.split(".")[0] in ("detpipe", "stages"))
-    return mods
+            mods.update(a.name for a in node.names if a.name.split(".")[0] in ("detpipe", "stages"))
+    for mod in list(mods):
+        parts = mod.split(".")
+        mods.update(".".join(parts[:i]) for i in range(1, len(parts)))
+    return {m for m in mods if _module_file(m)}
 
 
 def code_closure(module_file: Path) -> set[str]:
@@ -34,10 +49,7 @@ def code_closure(module_file: Path) -> set[str]:
         if rel in seen:
             continue
         seen.add(rel)
-        for mod in _imports(f):
-            p = ROOT / (mod.replace(".", "/") + ".py")
-            if p.is_file():
-                todo.append(p)
+        todo.extend(_module_file(mod) for mod in _imports(f))
     return seen
 
 
@@ -50,7 +62,7 @@ def test_no_stage_imports_another_stage():
     for name in STAGES:
         imported = {m for m in _imports(ROOT / "stages" / f"{name}.py") if m.startswith("stages.")}
         assert not imported, f"stages/{name}.py imports {sorted(imported)}"
-    for lib in (ROOT / "detpipe").glob("*.py"):
+    for lib in (ROOT / "detpipe").rglob("*.py"):
         imported = {m for m in _imports(lib) if m.startswith("stages.")}
         assert not imported, f"{lib.name} imports stages {sorted(imported)}"
 

@@ -17,10 +17,10 @@ from torchvision.transforms.v2 import functional as TF
 from support.pipeline import make_coco_subset, recalibrated_model, stage_cli, write_params
 from detpipe import params as params_mod
 from stages.augment import build_cache
-from detpipe.cocoeval import coco_evaluate
+from detpipe.evaluation.cocoeval import coco_evaluate
 from detpipe.errors import StageError
-from detpipe.data import CachedDetectionDataset, collate, read_meta, uses_masks
-from detpipe.evaluation import gt_from_arrow, masks_to_rles
+from detpipe.data.dataset import CachedDetectionDataset, collate, read_meta, uses_masks
+from detpipe.evaluation.coco_evaluation import gt_from_arrow, masks_to_rles
 
 # keep_ratio with the longer side 320: Mask R-CNN's transform keeps these sizes (no second resize)
 MASK_PARAMS = {"convert": {"val_fraction": 0.5},

@@ -127,7 +127,7 @@ def test_kill9_of_stage_group_leaves_no_worker(cached_workdir, tmp_path, moment,
                 p.kill()
 
 
-# A child subreaper (as `detpipe.runs.guard` is: an orphan's parent pid is then not 1) forks a launcher, which
+# A child subreaper (as `detpipe.ops.processes.guard` is: an orphan's parent pid is then not 1) forks a launcher, which
 # starts one worker as torchrun does (own session, ``LOCAL_RANK`` and ``$DETPIPE_LAUNCHER_PID`` set) and exits
 # before or after the worker binds itself (argv[1]: "before" / "after"). The worker, reparented to the subreaper,
 # is reaped there, which prints its exit status (-9: SIGKILL), or "alive" if it still runs 10 s later.

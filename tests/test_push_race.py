@@ -1,11 +1,11 @@
-"""`detpipe.remotes.push_partial` while the training writes and prunes checkpoints (a race measured in CI: the
+"""`detpipe.ops.remotes.push_partial` while the training writes and prunes checkpoints (a race measured in CI: the
 checkpoints were listed before the snapshot worktree existed, all of them were pruned meanwhile, and a partial
 experiment with an empty ``checkpoints/`` was pushed as "finished stages").
 
 Everything is real: a git+DVC repository in a temporary folder with a ``train`` stage like the project's (outputs
 ``models/model.pt`` and ``checkpoints``, a dependency recorded only in ``dvc.lock``), a local-folder DVC remote,
-a bare git repository as ``origin``, `detpipe.remotes.check` giving the `Remotes`. A thread plays
-`detpipe.hooks.CheckpointHook` at its most aggressive: a checkpoint every couple of milliseconds (temporary file
+a bare git repository as ``origin``, `detpipe.ops.remotes.check` giving the `Remotes`. A thread plays
+`detpipe.engine.hooks.CheckpointHook` at its most aggressive: a checkpoint every couple of milliseconds (temporary file
 + ``os.replace``), all but the newest deleted at once (``keep_last`` 1). Each checkpoint's bytes name it, so a
 pushed file is checked to be the one its name says.
 """
@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from detpipe import remotes as rm
-from detpipe import workspace
+from detpipe.ops import remotes as rm
+from detpipe.ops import workspace
 
 REPO = Path(__file__).resolve().parent.parent
 CKPT_RE = re.compile(r"^ckpt-(\d{7})\.pt$")
@@ -45,7 +45,7 @@ def ckpt_names(directory: Path) -> list[str]:
 
 
 class Training:
-    """Writes ``ckpt-NNNNNNN.pt`` into ``directory`` as `detpipe.hooks.CheckpointHook` does (temporary file
+    """Writes ``ckpt-NNNNNNN.pt`` into ``directory`` as `detpipe.engine.hooks.CheckpointHook` does (temporary file
     beside it, then rename) and deletes all but the newest ``keep_last`` after each one. As a context manager:
     one checkpoint at once, then one every ``period_s`` from a thread until the block ends."""
 
@@ -289,7 +289,7 @@ def team(tmp_path_factory):
                      "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@localhost",
                      "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@localhost",
                      "GIT_CONFIG_NOSYSTEM": "1", "GIT_TERMINAL_PROMPT": "0",
-                     # python -m detpipe.commit_partial in the snapshot worktree; `python` in dvc.yaml commands
+                     # python -m detpipe.ops.commit_partial in the snapshot worktree; `python` in dvc.yaml commands
                      "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
                      "PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")}.items():
             mp.setenv(k, v)

@@ -238,7 +238,7 @@ def _wait_for_checkpoint(proc: subprocess.Popen, ckpt_dir: Path, after: int, tim
 
 @pytest.mark.slow
 def test_interrupted_training_resumes_in_another_clone(team):
-    """A's training is killed after a checkpoint; `python -m detpipe.commit_partial train` + `dvc push` share the
+    """A's training is killed after a checkpoint; `python -m detpipe.ops.commit_partial train` + `dvc push` share the
     checkpoints; clone B2 pulls them and `dvc repro` resumes where A stopped."""
     a2 = clone(team, "A2")
     run(["dvc", "pull"], a2, env=team.env)
@@ -261,7 +261,7 @@ def test_interrupted_training_resumes_in_another_clone(team):
     newest = max(checkpoint_iters(a2 / "checkpoints"))
     assert max(pulled) < newest < 8
 
-    partial = run([sys.executable, "-m", "detpipe.commit_partial", "train"], a2)
+    partial = run([sys.executable, "-m", "detpipe.ops.commit_partial", "train"], a2)
     assert "recorded checkpoints" in partial.stdout and "models/model.pt" in partial.stdout
     status = run(["dvc", "status", "train"], a2).stdout
     assert "models/model.pt" in status                                  # the stage is not up to date

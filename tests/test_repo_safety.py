@@ -1,7 +1,7 @@
-"""A repository no kill can break: `python -m detpipe.repo repair` after ``kill -9`` of ``dvc repro`` at any moment.
+"""A repository no kill can break: `python -m detpipe.ops.repair repair` after ``kill -9`` of ``dvc repro`` at any moment.
 
 Runs on a tiny real DVC pipeline (a copy per test): ``gen`` writes 600 files into ``out/`` through
-``detpipe.io.atomic_dir`` from 300 listed source files and param ``n``; ``count`` reads ``out/``. With 300 deps
+``detpipe.files.atomic_dir`` from 300 listed source files and param ``n``; ``count`` reads ``out/``. With 300 deps
 DVC's dvc.lock is ~30 kB and its rwlock ~25 kB, so their in-place rewrites (treeverse/dvc#7615) take long
 enough for a kill to land inside them, as it does on the real pipeline (issue 14: 10 of 36 kills).
 """
@@ -22,7 +22,7 @@ import pytest
 import yaml
 from support.procs import run, stage_env
 
-from detpipe import repo as detrepo
+from detpipe.ops import repair as detrepo
 
 DVC = str(Path(sys.executable).parent / "dvc")
 N_FILES = 600
@@ -30,7 +30,7 @@ N_DEPS = 300
 
 GEN = f"""\
 import yaml
-from detpipe.io import atomic_dir
+from detpipe.files import atomic_dir
 
 n = yaml.safe_load(open("params.yaml"))["n"]
 with atomic_dir("out") as tmp:
@@ -159,7 +159,7 @@ def test_kill_anywhere_then_repair(work):
     """``kill -9`` of ``dvc repro`` at moments spread over its writes (rwlock rewrites, the checkout of
     ``out/`` from the cache or the stage writing it, dvc.lock's rewrite, plus random times), for cached
     params (DVC checks ``out`` out of its cache) and new ones (the stage runs): after each kill,
-    ``python -m detpipe.repo repair`` and a plain ``dvc repro`` must succeed with no manual step. The kills
+    ``python -m detpipe.ops.repair repair`` and a plain ``dvc repro`` must succeed with no manual step. The kills
     must leave DVC broken at least once (checked with DVC's own readers and a failing ``dvc status``), or the
     test proves nothing."""
     rng = random.Random(14)
@@ -178,7 +178,7 @@ def test_kill_anywhere_then_repair(work):
                 stuck = run([DVC, "status"], work, check=False)
                 assert stuck.returncode != 0 and ("RWLock" in stuck.stderr or "dvc.lock" in stuck.stderr), stuck
             broken.append(damage)
-        repaired = run([sys.executable, "-m", "detpipe.repo", "repair"], work)
+        repaired = run([sys.executable, "-m", "detpipe.ops.repair", "repair"], work)
         log.append(f"trial {trial} n={n} {what}: {damage or 'readable'}; repair: {repaired.stderr.strip()[-300:]}")
         assert _dvc_broken(work) is None, log[-1]
         _assert_reproduced(work, n, status=False)

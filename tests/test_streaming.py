@@ -13,7 +13,7 @@ import torch
 
 from support.pipeline import kill9_training_after, stage_cli, write_params
 from detpipe import params as params_mod
-from detpipe.data import CachedDetectionDataset, ResumableDistributedSampler, micro_batches
+from detpipe.data.dataset import CachedDetectionDataset, ResumableDistributedSampler, micro_batches
 from detpipe.errors import StageError
 from stages.augment import build_cache
 

@@ -172,7 +172,7 @@ def test_unknown_model_is_one_line_error(cached_workdir, tmp_path):
 
 def test_local_weights_path(trained_workdir, tmp_path):
     """train.weights: a local state_dict file initialises the model (checked by its sha256)."""
-    from detpipe.io import sha256_file
+    from detpipe.files import sha256_file
     from detpipe.models import build_from_config, load_weights
 
     ckpt = torch.load(trained_workdir / "models/model.pt", weights_only=True)

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from support.pipeline import stage_cli, write_params
-from detpipe.engine import HookBase
+from detpipe.engine.train_loop import HookBase
 from detpipe.errors import StageError
-from detpipe.data import CachedDetectionDataset, collate
+from detpipe.data.dataset import CachedDetectionDataset, collate
 from detpipe.models import build_from_config, load_weights, model_config
-from detpipe.trainer import model_kwargs
+from detpipe.engine.trainer import model_kwargs
 
 
 @pytest.mark.slow
@@ -68,7 +68,7 @@ def test_amp_and_channels_last_reach_the_forward_pass(cached_workdir, tmp_path, 
     """AMP changes the dtype the model computes in; channels_last the weights' memory format. The ("off",
     False) case is the check that fails if either option were ignored: its observations must differ."""
     from detpipe.params import load
-    from detpipe.trainer import build_trainer
+    from detpipe.engine.trainer import build_trainer
 
     cfg = load("train", cached_workdir / "params.yaml").model_copy(update={"amp": amp, "channels_last": channels_last})
     observer = _Observer()

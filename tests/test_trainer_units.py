@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from detpipe.errors import StageError
-from detpipe.checkpoints import rng_state, set_rng_state
-from detpipe.hooks import lr_factor
+from detpipe.engine.checkpoints import rng_state, set_rng_state
+from detpipe.engine.hooks import lr_factor
 from detpipe.params import Train
-from detpipe.trainer import model_kwargs
+from detpipe.engine.trainer import model_kwargs
 from stages.train import launch_args
 
 
@@ -74,7 +74,7 @@ def test_amp_off_survives_yaml_rewrites(tmp_path):
 
 
 def test_event_storage_rows_and_state():
-    from detpipe.engine import EventStorage
+    from detpipe.engine.train_loop import EventStorage
 
     s = EventStorage(keep_every=3)
     for it in range(7):
@@ -95,7 +95,7 @@ def _recording_trainer(fail_at: int | None):
     import gc
     import weakref
 
-    from detpipe.engine import HookBase, TrainerBase
+    from detpipe.engine.train_loop import HookBase, TrainerBase
 
     calls = []
 

@@ -1,12 +1,12 @@
 """Workers anywhere: runs of a ``--source`` deployment on a Prefect ``process`` work pool pull their inputs from
-and push their results to the team's remotes (`detpipe.remotes`).
+and push their results to the team's remotes (`detpipe.ops.remotes`).
 
 The slow tests stand up what a team has: a bare git repository as ``origin``, SeaweedFS as the DVC remote
 (``tests/support/s3server.py``), the session's Prefect server, a ``process`` work pool with two workers started
 from different directories, and ``train/team`` registered with ``python -m flows.serve --work-pool gpu --source
 <origin> --name team`` (``train/main`` is the checkout's deployment served by tests/test_flows.py).
 Every run happens in the temporary clone a worker makes and deletes; what is left afterwards is only what was
-pushed. Fast tests check `detpipe.remotes.check` on small local repositories.
+pushed. Fast tests check `detpipe.ops.remotes.check` on small local repositories.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from support.prefect import run_id
 from support.procs import free_ports, run as sh, stop_group
 from support.repos import make_repo
 
-from detpipe import remotes as rm
+from detpipe.ops import remotes as rm
 
 TRAIN = {"epochs": 10, "checkpoint_every": 1}      # 20 iterations: room to kill the run after a pushed checkpoint
 A_OVERRIDES = {"train.lr": 0.02}
@@ -292,7 +292,7 @@ def test_logs_follows_a_run_with_its_stages_output(team):
     proc = subprocess.run([sys.executable, "-m", "flows.logs", "run-a", "--poll", "0.5"], env=prefect.env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    for line in ("Running stage 'convert'", "detpipe.hooks INFO saved checkpoint", "resuming from checkpoints/",
+    for line in ("Running stage 'convert'", "detpipe.engine.hooks INFO saved checkpoint", "resuming from checkpoints/",
                  "pushed checkpoints up to", "onnx parity"):
         assert line in proc.stdout, line
     for line in ("saved checkpoint", "Running stage", "files pushed"):       # each line once: none lost or doubled

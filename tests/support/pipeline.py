@@ -65,7 +65,7 @@ def recalibrated_model(work: Path):
     values, so outputs barely depend on the image; tests that need image-dependent, well-separated scores (export
     parity) start from this and sharpen the logits. Returns ``(model in eval mode, checkpoint dict)``."""
     import torch
-    from detpipe.data import CachedDetectionDataset
+    from detpipe.data.dataset import CachedDetectionDataset
     from detpipe.models import build_from_config
 
     ckpt = torch.load(work / "models/model.pt", weights_only=True)

@@ -5,7 +5,7 @@ Order of an epoch (``global order``, one permutation of ``range(size)``):
 
 * without ``shards`` (or ``shuffle=False``): ``numpy.random.default_rng([seed, epoch]).permutation(size)``
   (identity without shuffle) — a global shuffle, for local memory-mapped caches;
-* with ``shards`` (the shard of every sample, `detpipe.data.CachedDetectionDataset.sample_shards`): the shards are
+* with ``shards`` (the shard of every sample, `detpipe.data.dataset.CachedDetectionDataset.sample_shards`): the shards are
   permuted with the same generator, cut into blocks of ``window`` consecutive shards of that permutation, and the
   samples of each block are shuffled together (MosaicML Streaming's block shuffle, ``py1b``-like). A rank then
   needs at most ``window`` shards at a time (two at a block boundary), so a streamed cache is read as whole shards,

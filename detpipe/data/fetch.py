@@ -2,7 +2,7 @@
 
 Retries use `tenacity` (exponential backoff ``backoff_s * 2**k`` seconds, capped at `MAX_BACKOFF_S`, on transient
 errors only); an interrupted HTTP transfer resumes with ``Range: bytes=N-``. URLs become filesystems in
-`detpipe.io.fsspec_filesystem`. Credentials in URLs are redacted from every message (`redact`).
+`detpipe.files.fsspec_filesystem`. Credentials in URLs are redacted from every message (`redact`).
 """
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ from urllib.parse import unquote, urlsplit, urlunsplit
 import tenacity
 
 from detpipe.errors import StageError
-from detpipe.io import fsspec_filesystem, iter_files
+from detpipe.files import fsspec_filesystem, iter_files
 
-log = logging.getLogger("detpipe.fetch")
+log = logging.getLogger("detpipe.data.fetch")
 
 TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz")
 ZIP_SUFFIXES = (".zip",)
@@ -338,7 +338,7 @@ def fetch(source: str, dest: Path | str, *, retries: int = 3, timeout_s: float =
     yet, or for a folder source a folder path that may exist).
 
     HTTP(S) goes through `http_fetch` (Range resume); other fsspec protocols (local, ``file://``, ``s3://``)
-    are read through fsspec (`detpipe.io.fsspec_filesystem`), each file with `with_retries` (transient errors
+    are read through fsspec (`detpipe.files.fsspec_filesystem`), each file with `with_retries` (transient errors
     only; local reads are not retried). A folder source is copied file by file (file contents only, not modes
     or times); keys whose relative path is absolute or has ``..`` are refused.
 

@@ -1,4 +1,4 @@
-"""The training hooks (see `detpipe.engine.HookBase` for when each method runs and what a hook may do).
+"""The training hooks (see `detpipe.engine.train_loop.HookBase` for when each method runs and what a hook may do).
 
 Values travel through ``trainer.storage`` only: `LRScheduleHook` puts ``lr``, `EvalHook` puts ``val/<stat>``,
 the trainer's ``run_step`` puts the losses and timings; `MetricsHook` writes the storage's kept rows to DVCLive,
@@ -14,11 +14,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from detpipe.checkpoints import checkpoint_path, list_checkpoints, save_atomic
-from detpipe.engine import HookBase
+from detpipe.engine.checkpoints import checkpoint_path, list_checkpoints, save_atomic
+from detpipe.engine.train_loop import HookBase
 from detpipe.progress import Progress
 
-log = logging.getLogger("detpipe.hooks")
+log = logging.getLogger("detpipe.engine.hooks")
 
 
 def lr_factor(it: int, max_iter: int, warmup_iters: int, schedule: str = "cosine",

@@ -2,7 +2,7 @@
 
 `predict` runs a detector over the cached val split and maps its boxes (and masks) back to original image
 pixels (``orig = cached / scale + offset``); `gt_from_arrow` rebuilds the COCO ground truth from the converted
-Arrow shards. Scoring itself is `detpipe.cocoeval.coco_evaluate`.
+Arrow shards. Scoring itself is `detpipe.evaluation.cocoeval.coco_evaluate`.
 """
 from __future__ import annotations
 
@@ -18,12 +18,12 @@ import torch.nn.functional as F
 from pycocotools import mask as mask_utils
 from torch.utils.data import DataLoader
 
-from detpipe.cocoeval import pr_curve_rows
-from detpipe.data import CachedDetectionDataset, collate
+from detpipe.evaluation.cocoeval import pr_curve_rows
+from detpipe.data.dataset import CachedDetectionDataset, collate
 from detpipe.progress import track
 from detpipe.errors import StageError
-from detpipe.imageio import decode_rgb
-from detpipe.io import atomic_dir, atomic_write_bytes, atomic_write_json
+from detpipe.data.imageio import decode_rgb
+from detpipe.files import atomic_dir, atomic_write_bytes, atomic_write_json
 
 MASK_THRESHOLD = 0.5  # mask probability -> binary, as torchvision's references/detection/coco_eval.py
 
@@ -170,7 +170,7 @@ def write_plots(plots_dir: Path, result, dets: list[dict], gt: dict, val_dir: Pa
     AP@[.5:.95] of the classes with ground truth) and ``val_images/<image_id>.png`` (the first ``num_images``
     val images of the Arrow shards in ``val_dir``, original size, predicted boxes red with score ≥
     ``score_threshold`` and their masks shaded red when detections carry a ``segmentation``, ground truth
-    green), all replaced atomically. ``result``: the bbox `detpipe.cocoeval.CocoResult`; ``dets``, ``gt``: COCO
+    green), all replaced atomically. ``result``: the bbox `detpipe.evaluation.cocoeval.CocoResult`; ``dets``, ``gt``: COCO
     results and instances dicts in original pixels."""
     from torchvision.io import encode_png
     from torchvision.utils import draw_bounding_boxes, draw_segmentation_masks

@@ -1,5 +1,5 @@
 """Geometry of EXIF orientation: points, COCO boxes and segmentations mapped from the stored raster to the
-frame that ``PIL.ImageOps.exif_transpose`` (and so `detpipe.imageio.decode_rgb`) displays."""
+frame that ``PIL.ImageOps.exif_transpose`` (and so `detpipe.data.imageio.decode_rgb`) displays."""
 from __future__ import annotations
 
 import warnings

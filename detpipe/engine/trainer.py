@@ -26,20 +26,20 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from detpipe import params as params_mod
-from detpipe.checkpoints import FORMAT, find_resume_state, list_checkpoints, rng_state, save_atomic, set_rng_state
-from detpipe.data import (CachedDetectionDataset, ResumableDistributedSampler, check_cache_masks, micro_batches,
+from detpipe.engine.checkpoints import FORMAT, find_resume_state, list_checkpoints, rng_state, save_atomic, set_rng_state
+from detpipe.data.dataset import (CachedDetectionDataset, ResumableDistributedSampler, check_cache_masks, micro_batches,
                           read_meta, uses_masks)
-from detpipe.distributed import setup_distributed
-from detpipe.elastic import EpochPlan, record_samples
-from detpipe.engine import HookBase, TrainerBase
-from detpipe.launch import LAUNCH_ONLY
+from detpipe.launch.distributed import setup_distributed
+from detpipe.launch.elastic import EpochPlan, record_samples
+from detpipe.engine.train_loop import HookBase, TrainerBase
+from detpipe.launch.torchrun import LAUNCH_ONLY
 from detpipe.errors import Interrupted, StageError, received_signal
-from detpipe.hooks import CheckpointHook, EMAHook, EvalHook, LRScheduleHook, MetricsHook, ProgressHook
-from detpipe.io import join_url, read_url_bytes
+from detpipe.engine.hooks import CheckpointHook, EMAHook, EvalHook, LRScheduleHook, MetricsHook, ProgressHook
+from detpipe.files import join_url, read_url_bytes
 from detpipe.models import build_from_config, load_weights, model_config
 from detpipe.paths import ARROW_META, CACHE_DIR, CKPT_DIR, LIVE_DIR, MODEL as MODEL_OUT
 
-log = logging.getLogger("detpipe.trainer")
+log = logging.getLogger("detpipe.engine.trainer")
 
 
 # Params that do not change the result of training: a checkpoint made with other values resumes.
@@ -57,7 +57,7 @@ def fingerprint(cfg: params_mod.Train, cache_meta: bytes, arrow_meta: bytes) -> 
 
 
 class Trainer(TrainerBase):
-    """Plain SGD detection trainer over `CachedDetectionDataset` (see `detpipe.engine.TrainerBase` for the loop).
+    """Plain SGD detection trainer over `CachedDetectionDataset` (see `detpipe.engine.train_loop.TrainerBase` for the loop).
 
     Everything is given to the constructor (`build_trainer` builds it): ``model`` (on ``device``, wrapped in DDP
     here when ``world_size > 1`` and compiled when ``cfg.compile``), ``optimizer``, ``dataset``, ``config``
@@ -361,8 +361,8 @@ def read_cache_meta_bytes(root: str) -> bytes:
 
 def make_eval_fn(cache_dir: str | Path, arrow_meta: Path):
     """``eval_fn(model) -> stats`` for `EvalHook`: COCO bbox stats on the val cache (see stages.evaluate)."""
-    from detpipe.cocoeval import coco_evaluate
-    from detpipe.evaluation import gt_from_arrow, label_to_category_id, predict
+    from detpipe.evaluation.cocoeval import coco_evaluate
+    from detpipe.evaluation.coco_evaluation import gt_from_arrow, label_to_category_id, predict
 
     meta = read_meta(arrow_meta)
     gt = gt_from_arrow(Path(arrow_meta).parent / "val", meta)

@@ -16,14 +16,14 @@ up while a stage's command runs, ``dvc/stage/decorators.py::unlocked_repo``); th
 commands that hold stage locks. `repair` never touches anything while a DVC command or a stage runs in the
 repository: see `live_processes`.
 
-Stages write their outputs through ``detpipe.io`` (a temporary path beside the output, then a rename), so a
+Stages write their outputs through ``detpipe.files`` (a temporary path beside the output, then a rename), so a
 killed stage leaves ``.<name>.tmp-*`` (``atomic_dir``, ``atomic_write_bytes``), ``.<name>.old-<pid>``
 (``atomic_dir`` replacing an output) or ``.<name>.fetch-*`` (download) beside its outputs; `repair` removes them.
 
 Command line (plain ``dvc`` users, after a killed run)::
 
-    python -m detpipe.repo repair [--root .]     # exit 0: repository usable; 1: a DVC process is running
-    python -m detpipe.repo check-lock [--root .] # exit 1 when dvc.lock does not match code and params
+    python -m detpipe.ops.repair repair [--root .]     # exit 0: repository usable; 1: a DVC process is running
+    python -m detpipe.ops.repair check-lock [--root .] # exit 1 when dvc.lock does not match code and params
 """
 from __future__ import annotations
 
@@ -44,13 +44,13 @@ import yaml
 
 from detpipe.errors import StageError, run_stage
 
-log = logging.getLogger("detpipe.repo")
+log = logging.getLogger("detpipe.ops.repair")
 
 LOCK_BACKUP = Path(".dvc/tmp/dvc.lock.backup")    # the last dvc.lock `repair` found valid
 LOCK_CORRUPT = Path(".dvc/tmp/dvc.lock.corrupt")  # the last cut-short dvc.lock `repair` replaced
 RWLOCK = Path(".dvc/tmp/rwlock")
 SKIPPED = "skipped"                               # first word of the action when a live process blocks repair
-# temporaries of detpipe.io and the stages: .<output name>.tmp-<random or pid>, .old-<pid>, .fetch-<random>
+# temporaries of detpipe.files and the stages: .<output name>.tmp-<random or pid>, .old-<pid>, .fetch-<random>
 TEMP_NAME = re.compile(r"^\.(?P<name>.+)\.(?:tmp|old|fetch)-[A-Za-z0-9_]+$")
 
 
@@ -228,7 +228,7 @@ def _repair_lockfile(root: Path) -> list[str]:
     """Keep a copy of a valid dvc.lock; rebuild a cut-short one (see `repair`)."""
     from dvc.utils.serialize import dump_yaml
 
-    from detpipe.io import atomic_write_bytes
+    from detpipe.files import atomic_write_bytes
 
     path, backup = root / "dvc.lock", root / LOCK_BACKUP
     try:
@@ -413,7 +413,7 @@ def lock_mismatches(root: Path | str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m detpipe.repo", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m detpipe.ops.repair", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name, what in (("repair", "repair what a killed DVC or stage left behind"),
                        ("check-lock", "fail when dvc.lock does not match the code and params")):

@@ -16,10 +16,10 @@ from torchvision.transforms.v2 import functional as TF
 
 from detpipe import params as params_mod
 from detpipe.errors import StageError
-from detpipe.imageio import decode_rgb
-from detpipe.cachefmt import ZOOM_OUT_FILL
+from detpipe.data.imageio import decode_rgb
+from detpipe.data.cachefmt import ZOOM_OUT_FILL
 
-log = logging.getLogger("detpipe.augmentation")
+log = logging.getLogger("detpipe.data.augmentation")
 
 
 def target_size(orig_h: int, orig_w: int, cfg: params_mod.Augment) -> tuple[int, int]:

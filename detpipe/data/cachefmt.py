@@ -1,6 +1,6 @@
 """The augmentation cache on disk: its Arrow schemas and format version, and writing it (one record batch
 per image in shards of ~``augment.shard_mb`` MB, plus an index of every column but the pixels). The loader
-that reads it is `detpipe.data`."""
+that reads it is `detpipe.data.dataset`."""
 from __future__ import annotations
 
 import logging
@@ -12,7 +12,7 @@ import pyarrow.ipc as ipc
 
 from detpipe.errors import StageError
 
-log = logging.getLogger("detpipe.cachefmt")
+log = logging.getLogger("detpipe.data.cachefmt")
 
 SPLITS = ("train", "val")
 INDEX_FILE = "index.arrow"

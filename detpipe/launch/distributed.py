@@ -1,5 +1,5 @@
 """Distributed setup inside a worker: init the process group. Launching the workers (torchrun, Slurm, Kubernetes)
-is `detpipe.launch`; a worker ties its life to its launcher's with `detpipe.lifeline.die_with_launcher`."""
+is `detpipe.launch.torchrun`; a worker ties its life to its launcher's with `detpipe.lifeline.die_with_launcher`."""
 from __future__ import annotations
 
 import os

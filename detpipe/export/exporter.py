@@ -26,7 +26,7 @@ import torch
 import torchvision
 from torchvision.ops import box_iou
 
-from detpipe.io import folder_sha256
+from detpipe.files import folder_sha256
 
 SCORE_TOL = 1e-5
 BOX_TOL = 0.01  # pixels
@@ -291,7 +291,7 @@ def export_torchscript(model: torch.nn.Module, path: Path, masks: bool) -> Calla
 
 
 def model_card(ckpt: dict, report: dict, arrow_dir: Path, metrics_path: Path) -> str:
-    """Markdown model card: dataset hash (manifest sha256 of the Arrow shards, `detpipe.io.folder_sha256`),
+    """Markdown model card: dataset hash (manifest sha256 of the Arrow shards, `detpipe.files.folder_sha256`),
     training params, COCO metrics (if ``metrics_path`` exists), the input/output spec of each exported file, the
     parity figures and minimal snippets to run the files."""
     meta = json.loads((Path(arrow_dir) / "meta.json").read_text())

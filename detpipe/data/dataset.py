@@ -6,7 +6,7 @@ memory-mapped: no copy until the float conversion) or a filesystem URL — anyth
 ``pyarrow.fs.FileSystem.from_uri`` understands (``s3://bucket/cache``, ``gs://…``, ``hdfs://…``, ``file:///…``)
 and otherwise any fsspec URL — so every node of a multi-node job can read one cache in object storage directly.
 Read directly, a remote shard is read one image's record batch (a byte range) at a time; training streams whole
-shards instead (`micro_batches` with a `detpipe.streaming.ShardPrefetcher`: background copies into a bounded local
+shards instead (`micro_batches` with a `detpipe.data.streaming.ShardPrefetcher`: background copies into a bounded local
 folder that the dataset then memory-maps).
 
 Pixels are stored raw (``uint8`` CHW) or JPEG-encoded (``augment.encoding``; the Arrow schema metadata of
@@ -34,11 +34,11 @@ from pycocotools import mask as mask_utils
 from torch.utils.data import DataLoader, Dataset
 from torchvision.io import ImageReadMode, decode_jpeg
 
-from detpipe.io import filesystem as open_filesystem
+from detpipe.files import filesystem as open_filesystem
 from detpipe.errors import StageError
-from detpipe.sampler import ResumableDistributedSampler
-from detpipe.cachefmt import INDEX_FILE
-from detpipe.streaming import ShardPrefetcher, redact, wait_for_shard
+from detpipe.data.sampler import ResumableDistributedSampler
+from detpipe.data.cachefmt import INDEX_FILE
+from detpipe.data.streaming import ShardPrefetcher, redact, wait_for_shard
 
 __all__ = ["CachedDetectionDataset", "ResumableDistributedSampler", "collate", "uses_masks", "check_cache_masks",
            "read_meta", "micro_batches", "decode_images"]
@@ -119,7 +119,7 @@ class CachedDetectionDataset(Dataset):
     handles on first use.
 
     Args:
-        root: cache root (``data/cache``) or a URL, see `detpipe.io.filesystem`.
+        root: cache root (``data/cache``) or a URL, see `detpipe.files.filesystem`.
         split: ``"train"`` or ``"val"``.
         hflip: flip probability in ``[0, 1]``.
         seed: seed of the flips and of the variant choice (``train.seed``).
@@ -554,7 +554,7 @@ def micro_batches(dataset: CachedDetectionDataset, sampler: ResumableDistributed
     One DataLoader serves every epoch (its ``num_workers`` processes start once and live until the generator is
     closed): the batch sampler hands out ``(epoch, i)`` pairs, so nothing in a worker depends on per-epoch state.
 
-    Streaming: when ``dataset`` reads a URL, a `detpipe.streaming.ShardPrefetcher` copies the whole shards this
+    Streaming: when ``dataset`` reads a URL, a `detpipe.data.streaming.ShardPrefetcher` copies the whole shards this
     rank will need, in the order of the plan, into ``local_dir`` (None: a temporary folder), holding at most about
     ``local_bytes`` bytes, and deletes each once its last sample is consumed; the dataset memory-maps the copies.
     ``decode_device`` (a CUDA device) decodes a JPEG cache's images there (`decode_images`) instead of in the

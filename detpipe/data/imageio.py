@@ -130,7 +130,7 @@ def inspect_image(data: bytes, source: str = "<bytes>") -> ImageInfo:
     """Check that encoded image bytes decode, and read their size, EXIF orientation and colour mode.
 
     JPEG is decoded at 1/8 scale (``PIL.Image.draft``; entropy decoding of all blocks unchanged), other
-    formats in full with `detpipe.imageio.decode_rgb`.
+    formats in full with `detpipe.data.imageio.decode_rgb`.
 
     Args:
         data: the file's bytes.

@@ -10,9 +10,9 @@ import numpy as np
 import torch
 
 from detpipe.errors import StageError
-from detpipe.io import atomic_open
+from detpipe.files import atomic_open
 
-log = logging.getLogger("detpipe.checkpoints")
+log = logging.getLogger("detpipe.engine.checkpoints")
 
 FORMAT = 2  # 2: the trainer's EventStorage holds the metric rows (1: MetricsHook did)
 _CKPT_RE = re.compile(r"^ckpt-(\d{7})\.pt$")
@@ -33,7 +33,7 @@ def list_checkpoints(directory: Path | str) -> list[Path]:
 
 
 def save_atomic(obj, path: Path | str) -> None:
-    """``torch.save(obj)`` to ``path`` atomically (`detpipe.io.atomic_open`: temporary file, fsync, rename)."""
+    """``torch.save(obj)`` to ``path`` atomically (`detpipe.files.atomic_open`: temporary file, fsync, rename)."""
     with atomic_open(path) as f:
         torch.save(obj, f)
 

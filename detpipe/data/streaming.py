@@ -1,7 +1,7 @@
 """Streaming a remote augmentation cache: whole shards fetched ahead of use into a bounded local folder.
 
 `ShardPrefetcher` runs in the training process (one background thread). It is given, lazily, the shards this rank
-will read in the order it will read them (from the sampler: `detpipe.data.micro_batches` builds that plan), copies
+will read in the order it will read them (from the sampler: `detpipe.data.dataset.micro_batches` builds that plan), copies
 each whole shard with ``pyarrow.fs.copy_files`` (pyarrow's multi-threaded, chunked copy; one ranged GET stream per
 shard, not one request per image) to ``<local_dir>/<shard>.tmp`` and renames it to ``<local_dir>/<shard>`` when
 complete. Readers (the dataset, in the main process or DataLoader workers) wait for that file and memory-map it.
@@ -32,7 +32,7 @@ import pyarrow.fs as pafs
 
 from detpipe.errors import StageError
 
-log = logging.getLogger("detpipe.streaming")
+log = logging.getLogger("detpipe.data.streaming")
 
 WAIT_TIMEOUT_S = 600.0  # a reader waiting longer than this for a shard gives up with an error naming it
 
@@ -66,7 +66,7 @@ class ShardPrefetcher:
     """Background copier of whole shards from ``fs`` into ``local_dir`` (see the module docstring).
 
     Args:
-        fs: pyarrow filesystem of the remote cache (`detpipe.io.filesystem`).
+        fs: pyarrow filesystem of the remote cache (`detpipe.files.filesystem`).
         remote_dir: the split's folder inside ``fs``.
         url: the split's URL (for error messages).
         names: shard file names; shard ids in the plan index this list.

@@ -2,7 +2,7 @@
 
 Process tree of a stage run by the flow::
 
-    serve / worker ─ flow-run process ─ guard (python detpipe/runs.py) ─ dvc repro ─ stage ─ torchrun workers
+    serve / worker ─ flow-run process ─ guard (python detpipe/ops/processes.py) ─ dvc repro ─ stage ─ torchrun workers
 
 * The flow-run process calls `detpipe.lifeline.die_with_parent`: the kernel SIGKILLs it when the serve/worker
   process that started it dies (``prctl(PR_SET_PDEATHSIG)``), so a killed ``python -m flows.serve`` takes its

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from detpipe.coco import segmentation_problem
+from detpipe.data.coco import segmentation_problem
 from detpipe.errors import StageError
 
 STAT_NAMES = ("AP", "AP50", "AP75", "APs", "APm", "APl", "AR1", "AR10", "AR100", "ARs", "ARm", "ARl")
@@ -136,7 +136,7 @@ def _to_rle(segm, h: int, w: int, mask_utils) -> dict:
 
 def _check_segm(segm, img: dict) -> str | None:
     """Return why ``segm`` is not a usable COCO segmentation for image ``img``, or None: the convert stage's
-    definition (`detpipe.coco.segmentation_problem`: polygons of >= 3 finite points, RLE of the image's size whose
+    definition (`detpipe.data.coco.segmentation_problem`: polygons of >= 3 finite points, RLE of the image's size whose
     runs cover it exactly), and not empty."""
     if isinstance(segm, list) and not segm:
         return "segmentation polygons must be a non-empty list of [x1, y1, x2, y2, ...] with >= 3 points"

@@ -13,7 +13,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from detpipe import params as params_mod
 from detpipe.errors import StageError
-from detpipe.io import atomic_write_bytes
+from detpipe.files import atomic_write_bytes
 
 
 class OverrideError(StageError):

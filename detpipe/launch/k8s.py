@@ -15,7 +15,7 @@ import json
 
 import yaml
 
-from detpipe.launch import parse_nnodes
+from detpipe.launch.torchrun import parse_nnodes
 
 WORKDIR = "/workspace"  # where the image holds the repository (and the shared volume is mounted)
 
@@ -40,8 +40,8 @@ def pytorchjob_manifest(cfg, job: str, torchrun_argv: list[str], env: dict[str, 
     Args:
         cfg: `detpipe.params.Train` (nnodes, nproc_per_node, max_restarts, k8s_image).
         job: metadata.name (also the rendezvous id in ``torchrun_argv``).
-        torchrun_argv: torchrun's arguments (`detpipe.launch.torchrun_args` with `rdzv_endpoint`).
-        env: the workers' environment (`detpipe.launch.launch_env`).
+        torchrun_argv: torchrun's arguments (`detpipe.launch.torchrun.torchrun_args` with `rdzv_endpoint`).
+        env: the workers' environment (`detpipe.launch.torchrun.launch_env`).
     """
     lo, hi = parse_nnodes(cfg.nnodes)
     container = {

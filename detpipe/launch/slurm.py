@@ -4,7 +4,7 @@ wait, cancel when stopped).
 The script (`sbatch_script`) asks for ``train.nnodes / train.slurm_tasks_per_node`` nodes (``MIN-MAX`` for an
 elastic job; ``train.nnodes`` counts torchrun agents, one per Slurm task, normally one per node) with
 ``train.slurm_tasks_per_node`` tasks each; ``srun`` starts one torchrun agent per task with the same arguments
-as a local launch (`detpipe.launch.torchrun_args`), the c10d rendezvous on the job's first node at the port
+as a local launch (`detpipe.launch.torchrun.torchrun_args`), the c10d rendezvous on the job's first node at the port
 of ``train.rdzv_endpoint`` and ``$SLURM_JOB_ID`` as rendezvous id. A failed worker or node: torchrun restarts
 the worker group (``--max-restarts``) and, with ``--no-kill``, goes on with the remaining nodes down to MIN;
 when the whole job dies (e.g. the first node, which hosts the rendezvous) ``--requeue`` puts it back in the
@@ -22,10 +22,10 @@ import time
 from pathlib import Path
 
 from detpipe.errors import Interrupted, StageError
-from detpipe.io import atomic_write_bytes
-from detpipe.launch import parse_nnodes
+from detpipe.files import atomic_write_bytes
+from detpipe.launch.torchrun import parse_nnodes
 
-log = logging.getLogger("detpipe.slurm")
+log = logging.getLogger("detpipe.launch.slurm")
 
 LOG_DIR = "logs"
 # JobState values after which the job will not run again (a requeued job goes back to PENDING instead).
@@ -44,7 +44,7 @@ def sbatch_script(cfg, torchrun_argv: list[str], env: dict[str, str], workdir: P
     Args:
         torchrun_argv: torchrun's arguments; ``${RDZV_HOST}`` (the job's first node, set by the script) and
             ``${SLURM_JOB_ID}`` in them are expanded by the shell.
-        env: variables exported for the workers (`detpipe.launch.launch_env`).
+        env: variables exported for the workers (`detpipe.launch.torchrun.launch_env`).
         workdir: the run's folder (repository root): the job runs there and logs to ``workdir/logs``.
     """
     lo, hi = parse_nnodes(cfg.nnodes)

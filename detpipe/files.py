@@ -16,7 +16,7 @@ import pyarrow.fs as pafs
 
 from detpipe.errors import StageError
 
-log = logging.getLogger("detpipe.io")
+log = logging.getLogger("detpipe.files")
 
 
 def _umask() -> int:
@@ -185,7 +185,7 @@ def fsspec_filesystem(url: str, *, endpoint_url: str | None = None, timeout_s: f
         url: local path or fsspec URL.
         endpoint_url: S3-compatible endpoint (SeaweedFS, MinIO) for ``s3://`` URLs; None = AWS.
         timeout_s: S3 connect and read timeout in seconds (botocore's own retries are turned off: callers
-            retry, see `detpipe.fetch`); None = botocore's defaults.
+            retry, see `detpipe.data.fetch`); None = botocore's defaults.
         label: the URL as shown in errors (e.g. with credentials redacted); default ``url``.
     Raises:
         StageError: no filesystem for this URL (names ``label`` and the reason).

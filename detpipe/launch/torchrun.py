@@ -1,5 +1,5 @@
 """Launching a stage's workers with torchrun's elastic agent: the torchrun arguments built from params (the same
-for a local run, the Slurm script of `detpipe.slurm` and the Kubernetes manifest of `detpipe.k8s`), and running
+for a local run, the Slurm script of `detpipe.launch.slurm` and the Kubernetes manifest of `detpipe.launch.k8s`), and running
 torchrun in this process.
 
 Every launch uses the c10d rendezvous (``--rdzv-backend c10d``): the agents of all nodes meet at
@@ -28,7 +28,7 @@ from typing import Iterator
 from detpipe.errors import StageError
 from detpipe.lifeline import LAUNCHER_PID_ENV
 
-log = logging.getLogger("detpipe.launch")
+log = logging.getLogger("detpipe.launch.torchrun")
 
 # Train params that only say how the job is launched: they change neither what is trained nor its result.
 LAUNCH_ONLY = frozenset({"nnodes", "rdzv_endpoint", "max_restarts", "rdzv_id", "rdzv_join_timeout_s",
@@ -199,7 +199,7 @@ def launch_local(cfg, module: str, nproc_per_node: int | None = None) -> None:
     """Launch ``python -m <module>`` workers on this node per ``cfg`` (`detpipe.params.Train`-like: nnodes,
     rdzv settings, max_restarts, threads). One node (``nnodes`` 1): a free port on 127.0.0.1, bound before
     torchrun starts. More nodes: ``cfg.rdzv_endpoint``; start the same command, with the same params, on every
-    node (or use `detpipe.slurm` / `detpipe.k8s`). With a loopback endpoint the workers' gloo and NCCL sockets
+    node (or use `detpipe.launch.slurm` / `detpipe.launch.k8s`). With a loopback endpoint the workers' gloo and NCCL sockets
     use the loopback interface as well (``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` = ``lo``, Linux)."""
     ready, env = {}, launch_env(cfg)
     if parse_nnodes(cfg.nnodes)[1] == 1:

@@ -1,8 +1,8 @@
 """COCO image records -> validated rows -> Arrow IPC shard files (the convert stage's worker side).
 
 One `ShardTask` is a run of consecutive images of one split (`plan_shards`); `convert_shard` reads each image
-file, checks it (`detpipe.imageio.inspect`), applies the annotation rules (`detpipe.coco.clean_annotations`),
-maps annotations to the displayed frame where EXIF orientation asks for it (`detpipe.geometry`) and writes the
+file, checks it (`detpipe.data.imageio.inspect`), applies the annotation rules (`detpipe.data.coco.clean_annotations`),
+maps annotations to the displayed frame where EXIF orientation asks for it (`detpipe.data.geometry`) and writes the
 rows as record batches of at most `BATCH_BYTES` image bytes. It runs in a worker process (or in-process).
 """
 from __future__ import annotations
@@ -18,9 +18,9 @@ import numpy as np
 import orjson
 import pyarrow as pa
 
-from detpipe.coco import Entry, Frame, Report, clean_annotations, to_rle
-from detpipe.geometry import orient_box, orient_segmentation
-from detpipe.imageio import Unreadable, inspect
+from detpipe.data.coco import Entry, Frame, Report, clean_annotations, to_rle
+from detpipe.data.geometry import orient_box, orient_segmentation
+from detpipe.data.imageio import Unreadable, inspect
 
 SCHEMA = pa.schema(
     [
@@ -51,7 +51,7 @@ _OBJECT_COLUMNS = ("ann_id", "bbox", "category_id", "label", "iscrowd", "area", 
 
 @dataclasses.dataclass
 class ShardTask:
-    """One shard to write: ``items`` (`detpipe.coco.Entry`) of ``split`` into ``out_path``."""
+    """One shard to write: ``items`` (`detpipe.data.coco.Entry`) of ``split`` into ``out_path``."""
     split: str
     index: int
     out_path: str

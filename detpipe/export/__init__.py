@@ -1,0 +1,1 @@
+"""Export: the wrappers, the parity gate, the model card."""
