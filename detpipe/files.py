@@ -1,4 +1,5 @@
-"""Files: atomic outputs (temporary path, fsync, rename) and content hashes."""
+"""Files: atomic outputs (temporary path, fsync, rename) under one temporary-name rule, content hashes, URLs
+(filesystems, redaction)."""
 from __future__ import annotations
 
 import contextlib
@@ -6,6 +7,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -17,6 +19,27 @@ import pyarrow.fs as pafs
 from detpipe.errors import StageError
 
 log = logging.getLogger("detpipe.files")
+
+
+# The one temporary-name rule: whatever is written on its way to output ``<name>`` lives beside it as
+# ``.<name>.<kind>-<suffix>`` (kind ``tmp``: being written; ``old``: a replaced output being removed; ``fetch``: a
+# download being staged). `detpipe.ops.repair` removes what a killed stage left by this pattern.
+TEMP_KINDS = ("tmp", "old", "fetch")
+TEMP_NAME = re.compile(r"^\.(?P<name>.+)\.(?:tmp|old|fetch)-[A-Za-z0-9_]+$")
+
+
+def temp_prefix(target: Path | str, kind: str = "tmp") -> str:
+    """The temporary-name prefix ``.<name>.<kind>-`` for output ``target`` (`TEMP_NAME` matches it plus any
+    suffix of letters, digits and ``_``, as `tempfile` makes). Raises ValueError for a kind not in `TEMP_KINDS`."""
+    if kind not in TEMP_KINDS:
+        raise ValueError(f"temporary kind {kind!r} is not one of {TEMP_KINDS}")
+    return f".{Path(target).name}.{kind}-"
+
+
+def temp_of(name: str) -> str | None:
+    """The output name a temporary file or folder name belongs to (`TEMP_NAME`), or None if it is not one."""
+    m = TEMP_NAME.match(name)
+    return m.group("name") if m else None
 
 
 def _umask() -> int:
@@ -34,7 +57,7 @@ def atomic_dir(target: Path | str) -> Iterator[Path]:
     """
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(target), dir=target.parent))
     os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; outputs get the usual permissions
     try:
         yield tmp
@@ -42,7 +65,7 @@ def atomic_dir(target: Path | str) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if target.is_dir() and not target.is_symlink():
-        old = target.with_name(f".{target.name}.old-{os.getpid()}")
+        old = target.with_name(f"{temp_prefix(target, 'old')}{os.getpid()}")
         target.rename(old)
         tmp.rename(target)
         shutil.rmtree(old, ignore_errors=True)
@@ -59,7 +82,7 @@ def atomic_open(path: Path | str) -> Iterator[Any]:
     The temporary name is ``.<name>.tmp-*``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path), dir=path.parent)
     try:
         os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600
         with os.fdopen(fd, "wb") as f:
@@ -240,3 +263,24 @@ def read_url_bytes(url: str | Path, what: str) -> bytes:
         raise StageError(f"{what}: '{url}' not found") from None
     except Exception as e:  # pyarrow / fsspec raise OSError and backend-specific errors
         raise StageError(f"{what}: cannot read '{url}': {type(e).__name__}: {e}") from None
+
+
+def redact_url(url: str | Path, mark_query: bool = True) -> str:
+    """``url`` fit for logs and error messages: a ``user:password@`` part becomes ``***@`` and a query string
+    (which may hold a signature, a token or an endpoint) becomes ``?***`` (dropped with ``mark_query=False``,
+    for a base URL that more path parts are appended to). Local paths are returned unchanged; an unparsable
+    URL becomes ``<unparsable URL>``."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    url = str(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparsable URL>"
+    if not parts.scheme or len(parts.scheme) == 1:   # a plain path (or a Windows drive letter)
+        return url
+    netloc = parts.netloc
+    if "@" in netloc:
+        netloc = "***@" + netloc.rsplit("@", 1)[1]
+    query = "***" if parts.query and mark_query else ""
+    return urlunsplit((parts.scheme, netloc, parts.path, query, ""))

@@ -59,7 +59,7 @@ def launch(cfg: Train) -> None:
     """``train.launcher: local``: run torchrun here (`detpipe.launch.torchrun.launch_local`). ``slurm`` (outside a Slurm
     job): submit `emit`'s sbatch script, stream its log to stdout, wait; cancel the job on SIGTERM/SIGINT.
     Raises `StageError` when the job fails."""
-    from detpipe.launch.torchrun import slurm
+    from detpipe.launch import slurm
 
     if cfg.launcher == "slurm" and "SLURM_JOB_ID" not in os.environ:
         slurm.run_job(emit(cfg, "slurm"), Path.cwd())
@@ -70,8 +70,7 @@ def launch(cfg: Train) -> None:
 def emit(cfg: Train, kind: str) -> str:
     """The job description for a scheduler: ``slurm`` (an sbatch script, `detpipe.launch.slurm.sbatch_script`) or
     ``k8s`` (a Kubeflow PyTorchJob manifest, `detpipe.launch.k8s.pytorchjob_manifest`), for the current params."""
-    from detpipe.launch.torchrun import k8s
-    from detpipe.launch.torchrun import slurm
+    from detpipe.launch import k8s, slurm
 
     if kind == "slurm":
         port = cfg.rdzv_endpoint.rsplit(":", 1)[1]

@@ -31,6 +31,7 @@ import numpy as np
 import pyarrow.fs as pafs
 
 from detpipe.errors import StageError
+from detpipe.files import redact_url
 
 log = logging.getLogger("detpipe.data.streaming")
 
@@ -38,8 +39,9 @@ WAIT_TIMEOUT_S = 600.0  # a reader waiting longer than this for a shard gives up
 
 
 def redact(url: str) -> str:
-    """``url`` without its query string (options such as ``endpoint_override`` may carry hosts or tokens)."""
-    return str(url).split("?", 1)[0]
+    """``url`` for messages, as a base that shard names are appended to: credentials hidden and the query string
+    (options such as ``endpoint_override`` may carry hosts or tokens) dropped (`detpipe.files.redact_url`)."""
+    return redact_url(url, mark_query=False)
 
 
 def wait_for_shard(local_dir: str, name: str, url: str, timeout_s: float = WAIT_TIMEOUT_S) -> str:

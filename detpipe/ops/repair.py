@@ -43,6 +43,7 @@ import psutil
 import yaml
 
 from detpipe.errors import StageError, run_stage
+from detpipe.files import temp_of
 
 log = logging.getLogger("detpipe.ops.repair")
 
@@ -50,8 +51,6 @@ LOCK_BACKUP = Path(".dvc/tmp/dvc.lock.backup")    # the last dvc.lock `repair` f
 LOCK_CORRUPT = Path(".dvc/tmp/dvc.lock.corrupt")  # the last cut-short dvc.lock `repair` replaced
 RWLOCK = Path(".dvc/tmp/rwlock")
 SKIPPED = "skipped"                               # first word of the action when a live process blocks repair
-# temporaries of detpipe.files and the stages: .<output name>.tmp-<random or pid>, .old-<pid>, .fetch-<random>
-TEMP_NAME = re.compile(r"^\.(?P<name>.+)\.(?:tmp|old|fetch)-[A-Za-z0-9_]+$")
 
 
 def _ancestors() -> set[int]:
@@ -226,7 +225,7 @@ def _git_head_lock(root: Path) -> str | None:
 
 def _repair_lockfile(root: Path) -> list[str]:
     """Keep a copy of a valid dvc.lock; rebuild a cut-short one (see `repair`)."""
-    from dvc.utils.serialize import dump_yaml
+    from dvc.utils.serialize import dumps_yaml
 
     from detpipe.files import atomic_write_bytes
 
@@ -248,10 +247,8 @@ def _repair_lockfile(root: Path) -> list[str]:
         for name, entry in _valid_stages(fallback, label).items():
             if name not in stages:
                 stages[name], source[name] = entry, label
-    tmp = root / ".dvc" / "tmp" / f"dvc.lock.new-{os.getpid()}"
-    dump_yaml(tmp, {"schema": "2.0", "stages": stages})
     shutil.copyfile(path, root / LOCK_CORRUPT)
-    os.replace(tmp, path)
+    atomic_write_bytes(path, dumps_yaml({"schema": "2.0", "stages": stages}).encode("utf-8"))
     by_source: dict[str, list[str]] = {}
     for name, label in source.items():
         by_source.setdefault(label, []).append(name)
@@ -294,7 +291,8 @@ def _declared_outputs(root: Path) -> list[Path]:
 
 
 def stage_temporaries(root: Path | str) -> list[Path]:
-    """Temporary files and folders of killed stages: names matching ``TEMP_NAME`` beside a declared output.
+    """Temporary files and folders of killed stages: names following the temporary-name rule
+    (`detpipe.files.TEMP_NAME`) beside a declared output.
 
     In a folder that holds declared outputs (``data/``, ``models/``, ``metrics/``, ...) every such name counts;
     in the repository root only those of a declared output (``.checkpoints.tmp-*``). Does not check whether
@@ -308,8 +306,8 @@ def stage_temporaries(root: Path | str) -> list[Path]:
             continue
         names = {o.name for o in outputs if o.parent == parent}
         for entry in parent.iterdir():
-            m = TEMP_NAME.match(entry.name)
-            if m and (parent != root or m["name"] in names):
+            owner = temp_of(entry.name)
+            if owner and (parent != root or owner in names):
                 found.add(entry)
     return sorted(found)
 
