@@ -60,8 +60,24 @@ os.replace(sys.argv[1] + ".tmp", sys.argv[1])
 time.sleep(300)
 """
 
+HIDDEN = """
+import sys, time
+held = open(sys.argv[1], "a")
+print("open", flush=True)
+time.sleep(300)
+"""
+
 
 def test_start_processes():
+    # a process without the token (an environment from scratch, as slurmstepd hides its own) that holds a file
+    # open under a folder given to reaper.guard_dir
+    guarded = OUT / "guarded"
+    guarded.mkdir(exist_ok=True)
+    reaper.guard_dir(guarded)
+    hidden = subprocess.Popen([sys.executable, "-c", HIDDEN, str(guarded / "held.log")], stdout=subprocess.PIPE,
+                              text=True, start_new_session=True,
+                              env={{"DETPIPE_REAPER_TEST_TAG": os.environ.get("DETPIPE_REAPER_TEST_TAG", "")}})
+    assert hidden.stdout.readline() == "open\n"
     session = subprocess.Popen(["sleep", "300"], start_new_session=True)
     child = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, text=True)
     grandchild = int(child.stdout.readline())
@@ -71,7 +87,7 @@ def test_start_processes():
     while not daemon_file.exists():
         assert time.time() < deadline
         time.sleep(0.05)
-    pids = {{"session": session.pid, "child": child.pid, "grandchild": grandchild,
+    pids = {{"hidden": hidden.pid, "session": session.pid, "child": child.pid, "grandchild": grandchild,
              "daemon": int(daemon_file.read_text()), "pytest": os.getpid(), "watchdog": reaper.watchdog_pid,
              "token": reaper.token, "log": str(reaper.log_path) if reaper.log_path else None}}
     (OUT / "pids.json.tmp").write_text(json.dumps(pids))
@@ -81,7 +97,7 @@ def test_start_processes():
     time.sleep(600)
 '''
 
-STARTED = ("session", "child", "grandchild", "daemon")
+STARTED = ("hidden", "session", "child", "grandchild", "daemon")
 
 
 def _gone(p: psutil.Process) -> bool:

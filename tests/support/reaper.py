@@ -14,6 +14,11 @@ is ``<tempdir>/detpipe-reaper-<token>.log``; it is removed when there was nothin
 Nested test runs (a test that runs pytest) append their token to the marker (``outer:inner``, ``os.pathsep``
 separated), so the inner run's processes die with either run; the watchdogs themselves never carry a token.
 
+Processes that overwrite their environment block (``slurmstepd``: its ``setproctitle`` reuses the environ area)
+and are reparented away from the token carriers are found another way: `guard_dir` registers a folder of the
+test run (a Slurm cluster's spool and logs), and every process holding a file open under it, or working in it,
+is swept too.
+
 Caveats: a process started with an environment that is not built from ``os.environ`` (``env={...}`` from
 scratch, ``sbatch --export=NONE``), a process that overwrites its environment block (``setproctitle``
 implementations that reuse the environ area, e.g. ``slurmstepd``) and is no descendant or group member of a
@@ -104,6 +109,19 @@ def start(marker: str = MARKER) -> str:
     return token
 
 
+def guard_dir(path: Path | str) -> None:
+    """Also sweep, once this test run's pytest has exited, every process that holds a file open under ``path``
+    or works in it (for daemons that hide their environment, e.g. ``slurmstepd``). A no-op before `start`."""
+    if log_path is None:
+        return
+    with open(_dirs_file(log_path), "a") as f:
+        f.write(str(Path(path).resolve()) + "\n")
+
+
+def _dirs_file(log: Path | str) -> Path:
+    return Path(str(log) + ".dirs")
+
+
 # --------------------------------------------------------------------------------------------- watchdog
 
 
@@ -134,9 +152,22 @@ def _carries(env: dict | None, marker: str, token: str) -> bool:
     return bool(env) and token in env.get(marker, "").split(os.pathsep)
 
 
-def find(marker: str, token: str, exclude: set[int]) -> dict[int, "psutil.Process"]:
-    """The live processes carrying ``token`` in ``marker``, with their descendants and the members of the
-    process groups they (or those descendants) lead; never a pid in ``exclude``."""
+def _under(p, dirs: list[str]) -> bool:
+    """Whether process ``p`` works in, or holds a file open under, one of ``dirs``."""
+    import psutil
+
+    def inside(path: str) -> bool:
+        return any(path == d or path.startswith(d + os.sep) for d in dirs)
+    try:
+        return inside(p.cwd()) or any(inside(f.path) for f in p.open_files())
+    except (psutil.Error, OSError):
+        return False
+
+
+def find(marker: str, token: str, exclude: set[int], dirs: list[str] = ()) -> dict[int, "psutil.Process"]:
+    """The live processes carrying ``token`` in ``marker`` or working in / holding files open under one of
+    ``dirs`` (`guard_dir`), with their descendants and the members of the process groups they (or those
+    descendants) lead; never a pid in ``exclude``."""
     import psutil
 
     procs, ppid, pgid, targets = {}, {}, {}, set()
@@ -149,7 +180,7 @@ def find(marker: str, token: str, exclude: set[int]) -> dict[int, "psutil.Proces
             ppid[p.pid] = p.ppid()
             pgid[p.pid] = os.getpgid(p.pid)
             procs[p.pid] = p
-            if _carries(p.environ(), marker, token):
+            if _carries(p.environ(), marker, token) or (dirs and _under(p, dirs)):
                 targets.add(p.pid)
         except (psutil.Error, OSError):
             continue
@@ -206,27 +237,31 @@ def _wait_gone(procs, timeout: float) -> list:
     return alive
 
 
-def reap(marker: str, token: str, grace: float) -> int:
+def reap(marker: str, token: str, grace: float, dirs: list[str] = ()) -> int:
     """SIGTERM everything ``find`` finds, SIGKILL what is left after ``grace`` seconds, then sweep again
     with SIGKILL until a sweep finds nothing. Returns how many processes were signalled."""
+    import functools
+
     import psutil
+
+    find_ = functools.partial(find, dirs=list(dirs))
 
     me = psutil.Process()
     exclude = {0, 1, me.pid} | {p.pid for p in me.parents()}
-    targets = find(marker, token, exclude)
+    targets = find_(marker, token, exclude)
     if not targets:
         return 0
     signalled = {p.pid for p in _signal(targets.values(), signal.SIGTERM)}
     left = {p.pid: p for p in _wait_gone(targets.values(), grace)}
     for _ in range(SWEEPS):
-        left.update(find(marker, token, exclude))
+        left.update(find_(marker, token, exclude))
         left = {pid: p for pid, p in left.items() if _alive(p)}
         if not left:
             break
         signalled |= {p.pid for p in _signal(left.values(), signal.SIGKILL)}
         left = {p.pid: p for p in _wait_gone(left.values(), 2.0)}
     else:
-        left = {pid: p for pid, p in {**left, **find(marker, token, exclude)}.items() if _alive(p)}
+        left = {pid: p for pid, p in {**left, **find_(marker, token, exclude)}.items() if _alive(p)}
         if left:
             _log("still alive: " + ", ".join(_describe(p) for p in left.values()))
     return len(signalled)
@@ -255,7 +290,11 @@ def main(argv: list[str] | None = None) -> int:
     _wait_for_exit(args.pid, args.create_time, args.pidfd)
     _log(f"pid {args.pid} has exited; sweeping")
     try:
-        n = reap(args.marker, args.token, args.grace)
+        dirs = []
+        if args.log and _dirs_file(args.log).exists():
+            dirs = [d for d in _dirs_file(args.log).read_text().splitlines() if d]
+            _dirs_file(args.log).unlink()
+        n = reap(args.marker, args.token, args.grace, dirs)
     except Exception as e:  # noqa: BLE001 - log it, keep the log
         _log(f"sweep failed: {e!r}")
         raise

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+from support import reaper
 from support.procs import free_port
 
 
@@ -37,6 +38,7 @@ def slurm_cluster(root: Path, cpus: int = 2) -> Iterator[dict]:
     root = Path(root)
     for d in ("state", "spool", "log"):
         (root / d).mkdir(parents=True, exist_ok=True)
+    reaper.guard_dir(root)   # slurmstepd hides its environment: a killed pytest's watchdog finds it by its files
     key = root / "munge.key"
     key.write_bytes(os.urandom(1024))
     key.chmod(0o400)
