@@ -3,7 +3,7 @@
 Builds COCO128 replicas in a temporary folder (copies of the image files under new names, with new image and
 annotation ids), then
 
-* times `stages.convert.convert` and the *validation floor* on the same images: the same files read and
+* times `detpipe.data.convert.convert` and the *validation floor* on the same images: the same files read and
   decoded at 1/8 scale (``PIL.Image.draft``, what convert's image check does) by a process pool with the same
   number of workers (`detpipe.pool`, tasks of `FLOOR_CHUNK` files), nothing written; page cache warmed for
   both, runs interleaved, best of ``--repeat``; prints images/s of each and their ratio (goal >= 0.8: convert
@@ -145,9 +145,9 @@ def validation_floor(folder: Path, workers: int, write_to: Path | None = None) -
         return sum(bounded_map(pool, _decode_eighth_and_write, tasks, 2 * max(1, workers), ordered=False))
 
 
-CONVERT_CODE = ("import sys, json; from stages.convert import convert; from detpipe.params import Convert; "
+CONVERT_CODE = ("import sys, json; from detpipe.data.convert import convert; from detpipe.params import Convert; "
                 "convert(sys.argv[1], sys.argv[2], Convert(**json.loads(sys.argv[3])), progress=False)")
-JSON_ONLY_CODE = ("import sys, json; from pathlib import Path; import stages.convert; import detpipe.data.coco as c; "
+JSON_ONLY_CODE = ("import sys, json; from pathlib import Path; import detpipe.data.convert; import detpipe.data.coco as c; "
                   "p = Path(sys.argv[1]) / 'annotations/instances_train2017.json'; d, _ = c.load_json(p); "
                   "c.check_coco(d, p); c.index(d, p, 'train', c.Report())")
 
@@ -165,7 +165,7 @@ def main() -> None:
     workers = base.workers if args.workers is None else args.workers
     params = Convert(annotations=ANN, images="train2017", val_fraction=base.val_fraction, seed=base.seed,
                      shard_mb=base.shard_mb, workers=workers)
-    from stages.convert import convert
+    from detpipe.data.convert import convert
 
     with tempfile.TemporaryDirectory(prefix="bench-convert-", dir=args.tmp) as tmp:
         tmp = Path(tmp)

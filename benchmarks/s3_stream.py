@@ -37,7 +37,7 @@ from benchmarks._workdir import cached_workdir  # noqa: E402
 from detpipe import params as params_mod  # noqa: E402
 from detpipe.data.dataset import CachedDetectionDataset, ResumableDistributedSampler, micro_batches  # noqa: E402
 from s3server import running_s3_server  # noqa: E402
-from stages.augment import build_cache  # noqa: E402
+from detpipe.data.build_cache import build_cache  # noqa: E402
 
 
 class DelayProxy:

@@ -10,9 +10,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-log = logging.getLogger("stages")
-
-# Set by a launching `run_stage` for its torchrun workers: where rank 0 leaves its interrupt message, so that the
+# Set by a launching `run_program` for its torchrun workers: where rank 0 leaves its interrupt message, so that the
 # launcher prints it as the one line (workers and launcher all receive the signal).
 _NOTE_ENV = "DETPIPE_INTERRUPT_NOTE"
 
@@ -22,7 +20,7 @@ class StageError(Exception):
 
 
 class Interrupted(BaseException):
-    """SIGTERM or SIGINT arrived (raised by `run_stage`'s handler). A ``BaseException`` like
+    """SIGTERM or SIGINT arrived (raised by `run_program`'s handler). A ``BaseException`` like
     ``KeyboardInterrupt``, so ``except Exception`` blocks do not swallow it; ``finally`` blocks and context
     managers still clean up (atomic outputs are then left as they were).
 
@@ -42,7 +40,7 @@ _received: int | None = None
 
 
 def received_signal() -> int | None:
-    """The SIGTERM/SIGINT `run_stage` received in this process, or None. An error that follows one (e.g. a DDP
+    """The SIGTERM/SIGINT `run_program` received in this process, or None. An error that follows one (e.g. a DDP
     collective failing because another rank already stopped) is part of the interrupt, not a bug."""
     return _received
 
@@ -65,13 +63,14 @@ def _signal_of(e: BaseException) -> int | None:
     return None
 
 
-def run_stage(main: Callable[[], None], stage: str | None = None) -> None:
-    """Run a stage's ``main`` as a program: configure logging, turn `StageError` into a one-line ``error: ...``
+def run_program(main: Callable[[], None], stage: str | None = None) -> None:
+    """Run ``main`` (a stage's, or a tool's such as ``python -m detpipe.ops.repair``) as a program: configure
+    logging, turn `StageError` into a one-line ``error: ...``
     on stderr and exit status 2, and SIGTERM/SIGINT into one line ``error: interrupted by SIGTERM ...`` and exit
     status 128 + signal (no traceback). Other exceptions propagate (bugs).
 
     ``stage`` defaults to the last part of ``main``'s module name (``python -m stages.convert`` -> ``convert``). In a torchrun
-    worker (``LOCAL_RANK`` set) only rank 0 reports an interrupt; when the launcher is a `run_stage` too, rank 0
+    worker (``LOCAL_RANK`` set) only rank 0 reports an interrupt; when the launcher is a `run_program` too, rank 0
     hands its message to the launcher, which prints it, so the user sees one line.
     """
     if stage is None:
@@ -115,7 +114,7 @@ def run_stage(main: Callable[[], None], stage: str | None = None) -> None:
 
 
 def _read_note(note: Path | None) -> tuple[int, str] | None:
-    """``(exit status, line)`` left by a worker's `run_stage` in ``note``, or None."""
+    """``(exit status, line)`` left by a worker's `run_program` in ``note``, or None."""
     try:
         status, line = note.read_text().split("\t", 1)
         return int(status), line

@@ -168,35 +168,34 @@ def folder_sha256(path: Path | str) -> str:
     return h.hexdigest()
 
 
-def filesystem(root: str | Path, filesystem: Any = None) -> tuple[pafs.FileSystem | None, str]:
-    """The filesystem behind a path or URL: ``(None, path)`` for a local path (callers memory-map or open it
-    directly), else ``(pyarrow filesystem, path inside it)``. The one place URLs become filesystems.
+# --------------------------------------------------------------------------------------------- URLs
+# The one place paths and URLs become filesystems: `is_url` and `url_protocol` classify a location, `local_path`
+# turns a local one (plain path or ``file://`` URL) into a `Path`, `fsspec_filesystem` and `filesystem` open
+# the filesystem behind it (fsspec, or pyarrow for the loader), `join_url` and `read_url_bytes` build on them.
 
-    Args:
-        root: a local path or a URL. URLs go to ``pyarrow.fs.FileSystem.from_uri`` (``s3://``, ``gs://``,
-            ``hdfs://``, ``file://``; S3 options as query parameters, e.g. ``?endpoint_override=host:port&scheme=http``,
-            credentials from the usual AWS environment/config), and schemes pyarrow does not know to
-            ``fsspec.core.url_to_fs``.
-        filesystem: an explicit ``pyarrow.fs.FileSystem`` or fsspec filesystem; ``root`` is then a path in it
-            (a URL scheme, if any, is stripped).
-    Raises:
-        StageError: the URL's filesystem cannot be created (names the URL and the reason).
-    """
-    root = str(root)
-    if filesystem is not None:
-        if not isinstance(filesystem, pafs.FileSystem):
-            filesystem = pafs.PyFileSystem(pafs.FSSpecHandler(filesystem))
-        return filesystem, root.split("://", 1)[-1].rstrip("/")
-    if "://" not in root:
-        return None, root
-    try:
-        fs, path = pafs.FileSystem.from_uri(root)
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-        ffs, path = fsspec_filesystem(root)
-        fs = pafs.PyFileSystem(pafs.FSSpecHandler(ffs))
-    except OSError as e:
-        raise StageError(f"{root}: cannot open the filesystem ({e})") from None
-    return fs, path.rstrip("/")
+def is_url(location: str | Path) -> bool:
+    """Whether ``location`` is a URL (``scheme://...``, including ``file://`` and fsspec chains such as
+    ``simplecache::s3://...``) rather than a plain local path."""
+    return "://" in str(location)
+
+
+def url_protocol(location: str | Path) -> str:
+    """fsspec protocol of ``location``: ``"file"`` for a plain path or a ``file://``/``local://`` URL, else the
+    URL scheme in lower case (``"s3"``, ``"https"``, ...)."""
+    import fsspec.utils
+
+    proto = fsspec.utils.get_protocol(str(location))
+    return "file" if proto in ("file", "local") else proto.lower()
+
+
+def local_path(location: str | Path) -> Path:
+    """The local path of a plain path or a ``file://`` URL (protocol stripped). Only meaningful when
+    ``url_protocol(location) == "file"``."""
+    if not is_url(location):
+        return Path(location)
+    import fsspec.core
+
+    return Path(fsspec.core.strip_protocol(str(location)))
 
 
 def fsspec_filesystem(url: str, *, endpoint_url: str | None = None, timeout_s: float | None = None,
@@ -216,7 +215,7 @@ def fsspec_filesystem(url: str, *, endpoint_url: str | None = None, timeout_s: f
     import fsspec.core
 
     options: dict = {}
-    if url.split("://", 1)[0].lower() in ("s3", "s3a") and "://" in url:
+    if is_url(url) and url_protocol(url) in ("s3", "s3a"):
         options["skip_instance_cache"] = True        # credentials may change between calls (environment)
         if timeout_s is not None:
             options["config_kwargs"] = {"connect_timeout": timeout_s, "read_timeout": timeout_s,
@@ -227,6 +226,38 @@ def fsspec_filesystem(url: str, *, endpoint_url: str | None = None, timeout_s: f
         return fsspec.core.url_to_fs(url, **options)
     except (ImportError, ValueError) as e:
         raise StageError(f"{label or url}: no filesystem for this URL ({type(e).__name__}: {e})") from None
+
+
+def filesystem(root: str | Path, filesystem: Any = None) -> tuple[pafs.FileSystem | None, str]:
+    """The pyarrow filesystem behind a path or URL, for readers that memory-map or range-read Arrow files:
+    ``(None, path)`` for a local path (callers memory-map or open it directly), else ``(pyarrow filesystem,
+    path inside it)``.
+
+    Args:
+        root: a local path or a URL. URLs go to ``pyarrow.fs.FileSystem.from_uri`` (``s3://``, ``gs://``,
+            ``hdfs://``, ``file://``; S3 options as query parameters, e.g. ``?endpoint_override=host:port&scheme=http``,
+            credentials from the usual AWS environment/config), and schemes pyarrow does not know to
+            `fsspec_filesystem` (wrapped in ``pyarrow.fs.PyFileSystem``).
+        filesystem: an explicit ``pyarrow.fs.FileSystem`` or fsspec filesystem; ``root`` is then a path in it
+            (a URL scheme, if any, is stripped).
+    Raises:
+        StageError: the URL's filesystem cannot be created (names the URL and the reason).
+    """
+    root = str(root)
+    if filesystem is not None:
+        if not isinstance(filesystem, pafs.FileSystem):
+            filesystem = pafs.PyFileSystem(pafs.FSSpecHandler(filesystem))
+        return filesystem, root.split("://", 1)[-1].rstrip("/")
+    if not is_url(root):
+        return None, root
+    try:
+        fs, path = pafs.FileSystem.from_uri(root)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        ffs, path = fsspec_filesystem(root)
+        fs = pafs.PyFileSystem(pafs.FSSpecHandler(ffs))
+    except OSError as e:
+        raise StageError(f"{root}: cannot open the filesystem ({e})") from None
+    return fs, path.rstrip("/")
 
 
 def join_url(base: str, *parts: str) -> str:
@@ -247,9 +278,9 @@ def read_url_bytes(url: str | Path, what: str) -> bytes:
         StageError: the file does not exist or cannot be read (names ``what``, the location and the reason).
     """
     try:
-        if "://" not in str(url):
+        if not is_url(url):
             return Path(url).read_bytes()
-        if str(url).split("://", 1)[0].lower() in ("http", "https"):
+        if url_protocol(url) in ("http", "https"):
             import fsspec  # whole-file read: works with servers that refuse Range requests
 
             with fsspec.open(str(url), "rb", block_size=0) as f:

@@ -11,7 +11,7 @@ import torchvision
 from torch import nn
 
 from detpipe.errors import StageError
-from detpipe.files import read_url_bytes
+from detpipe.files import is_url, read_url_bytes
 from detpipe.paths import MODEL
 
 log = logging.getLogger("detpipe.models")
@@ -62,7 +62,7 @@ def load_weights(model: nn.Module, source: str, sha256: str | None = None) -> di
     Raises:
         StageError: unreadable source, sha256 mismatch, unknown weights name, or offline download.
     """
-    is_path = "://" in source or "/" in source or source.endswith((".pt", ".pth"))
+    is_path = is_url(source) or "/" in source or source.endswith((".pt", ".pth"))
     if is_path:
         try:
             state = torch.load(io.BytesIO(_read_weights_bytes(source, sha256)), map_location="cpu",

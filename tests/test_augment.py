@@ -24,7 +24,7 @@ from support.procs import REPO
 from detpipe import params as params_mod
 from detpipe.data.augmentation import process_image, target_size
 from detpipe.data.cachefmt import INDEX_FILE, ZOOM_OUT_FILL
-from stages.augment import build_cache
+from detpipe.data.build_cache import build_cache
 from detpipe.errors import StageError
 from detpipe.data.dataset import CachedDetectionDataset
 

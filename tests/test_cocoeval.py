@@ -1,4 +1,4 @@
-"""Tests of stages/cocoeval.py against the COCO API's published figures on its own example detections
+"""Tests of detpipe/evaluation/cocoeval.py against the COCO API's published figures on its own example detections
 (tests/data/coco_eval_reference, see its README), plus robustness cases built from the same real data."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Tests of stages/convert.py on real COCO128 images and annotations (files crafted from them with PIL)."""
+"""Tests of detpipe/data/convert.py (the convert stage) on real COCO128 images and annotations (files crafted from them with PIL)."""
 from __future__ import annotations
 
 import copy
@@ -19,7 +19,7 @@ from pycocotools import mask as mask_utils
 
 from detpipe.errors import StageError
 from detpipe.data.coco import RULES
-from stages.convert import SCHEMA, convert, inspect_image, split_ids
+from detpipe.data.convert import SCHEMA, convert, inspect_image, split_ids
 from detpipe.data.imageio import decode_rgb
 from detpipe.params import Convert
 

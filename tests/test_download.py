@@ -24,7 +24,7 @@ import yaml
 from detpipe.errors import StageError
 from detpipe.data.fetch import extract, fetch, http_fetch
 from detpipe.files import folder_sha256
-from stages.download import download
+from detpipe.data.download import download
 from support.procs import run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,7 +38,7 @@ def _sha(data: bytes) -> str:
 
 
 def _manifest_sha(root: Path) -> str:
-    """The manifest hash written out independently of stages.download (spec of folder_sha256)."""
+    """The manifest hash written out independently of detpipe.data.download (spec of folder_sha256)."""
     rels = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
     text = "".join(f"{rel}\t{_sha((root / rel).read_bytes())}\n" for rel in rels)
     return _sha(text.encode("utf-8"))
@@ -260,7 +260,7 @@ def test_http_503_is_retried_then_gives_up(tmp_path, http_server):
 
 @pytest.mark.parametrize("route,status", [("/missing.tar.gz", 404), ("/forbidden/coco.tar.gz", 403)])
 def test_http_404_403_fail_at_once_and_leave_nothing(tmp_path, http_server, caplog, route, status):
-    caplog.set_level(logging.INFO)                      # the stage's level (run_stage)
+    caplog.set_level(logging.INFO)                      # the stage's level (run_program)
     host = urlsplit(http_server.url).netloc
     url = f"http://someone:Pa55word-Secret@{host}{route}?X-Amz-Signature=deadbeefcafe"
     with pytest.raises(StageError) as e:
@@ -346,7 +346,7 @@ def test_unsafe_zip_entry_is_refused(tmp_path, name):
 # --------------------------------------------------------------------------------------------- S3
 
 def test_s3_folder_prefix_and_archive(tmp_path, s3_server, monkeypatch, caplog):
-    caplog.set_level(logging.INFO)                      # the stage's level (run_stage)
+    caplog.set_level(logging.INFO)                      # the stage's level (run_program)
     for key, value in s3_server.env().items():
         monkeypatch.setenv(key, value)
     fs = s3_server.filesystem()

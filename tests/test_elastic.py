@@ -214,7 +214,7 @@ def test_emitted_job_runs_the_local_launchers_command(tmp_path, monkeypatch, kin
 
     from detpipe.launch.torchrun import launch_env
     from detpipe.params import load
-    from stages.train import emit, launch_args
+    from detpipe.launch.jobs import emit, launch_args
 
     write_params(tmp_path, {"train": {"nnodes": "2:4", "nproc_per_node": 8, "max_restarts": 5, "threads": 2,
                                       "rdzv_endpoint": "10.1.2.3:29500", "slurm_extra": ["--gres=gpu:8"]}})

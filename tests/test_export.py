@@ -102,7 +102,7 @@ def test_default_export_compares_and_passes(trained_workdir, tmp_path):
 def test_three_class_export_passes_and_perturbed_fails(three_class_workdir, tmp_path, monkeypatch):
     """Issue 15.2: a sound export of a barely trained 3-class model passes (the final detections may differ by
     NMS ties; the raw outputs do not); the same export with one weight changed fails, and writes nothing."""
-    from stages.export import export
+    from detpipe.export.stage import export
 
     work = tmp_path / "w"
     shutil.copytree(three_class_workdir, work)
@@ -150,7 +150,7 @@ def test_compare_raw_rejects_disagreement():
 def test_nothing_compared_fails_unless_opted_out(trained_workdir, tmp_path, monkeypatch):
     """A model without a known head: the stage fails (nothing compared) unless export.require_parity is false."""
     import detpipe.export.exporter as export_mod
-    from stages.export import export
+    from detpipe.export.stage import export
 
     work = tmp_path / "w"
     shutil.copytree(trained_workdir, work)

@@ -16,7 +16,7 @@ from torchvision.transforms.v2 import functional as TF
 
 from support.pipeline import make_coco_subset, recalibrated_model, stage_cli, write_params
 from detpipe import params as params_mod
-from stages.augment import build_cache
+from detpipe.data.build_cache import build_cache
 from detpipe.evaluation.cocoeval import coco_evaluate
 from detpipe.errors import StageError
 from detpipe.data.dataset import CachedDetectionDataset, collate, read_meta, uses_masks

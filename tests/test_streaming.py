@@ -15,7 +15,7 @@ from support.pipeline import kill9_training_after, stage_cli, write_params
 from detpipe import params as params_mod
 from detpipe.data.dataset import CachedDetectionDataset, ResumableDistributedSampler, micro_batches
 from detpipe.errors import StageError
-from stages.augment import build_cache
+from detpipe.data.build_cache import build_cache
 
 SHARD_MB = 0.05  # ~2-3 JPEG images of 320x320 per shard: many shards from 12 images
 

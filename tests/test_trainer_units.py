@@ -12,7 +12,7 @@ from detpipe.engine.checkpoints import rng_state, set_rng_state
 from detpipe.engine.hooks import lr_factor
 from detpipe.params import Train
 from detpipe.engine.trainer import model_kwargs
-from stages.train import launch_args
+from detpipe.launch.jobs import launch_args
 
 
 def test_lr_warmup_then_cosine():

@@ -1,5 +1,5 @@
 """Per-image work of the augment stage: target size, resize, JPEG encoding, SSD-style variants and instance
-masks at the cached size (`process_image`, run in worker processes by `stages.augment`)."""
+masks at the cached size (`process_image`, run in worker processes by `detpipe.data.build_cache.build_cache`)."""
 from __future__ import annotations
 
 import json
@@ -151,7 +151,7 @@ def ssd_variant(chw: torch.Tensor, boxes: np.ndarray, labels: np.ndarray, seed: 
 
 
 def parse_segmentation(text: str | None, source: str = "") -> list | dict | None:
-    """A `stages.convert` ``segmentation`` cell (JSON text) as COCO polygons (list of lists) or an RLE dict;
+    """A `detpipe.data.convert` ``segmentation`` cell (JSON text) as COCO polygons (list of lists) or an RLE dict;
     None when the object has no segmentation (``""``, ``null``, ``[]``, ``{}``).
 
     Raises:
@@ -239,7 +239,7 @@ def rasterize_mask(seg: list | dict, orig_size: tuple[int, int], src_size: tuple
 
 
 def process_image(row: dict, cfg: params_mod.Augment, copies: int) -> tuple[list[dict], dict]:
-    """Decode one converted row (a dict of `stages.convert` columns) and make its cache rows.
+    """Decode one converted row (a dict of `detpipe.data.convert` columns) and make its cache rows.
 
     ``copies == 0``: one row, the plain resize. ``copies == K > 0``: K rows, variant ``k`` = `ssd_variant` with
     seed `variant_seed` ``(cfg.seed, image_id, k)``, then resized. Each row's ``masks`` (`rasterize_mask` per

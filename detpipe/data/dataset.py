@@ -1,4 +1,4 @@
-"""Training/evaluation data from the augmentation cache (`stages.augment`): Dataset, sampler, collate.
+"""Training/evaluation data from the augmentation cache (`detpipe.data.build_cache`): Dataset, sampler, collate.
 
 `CachedDetectionDataset` reads ``<root>/<split>/index.arrow`` (boxes, labels, sizes: small) at construction and
 each image's pixels on demand from its ``part-NNNNN.arrow`` shard. ``root`` is a local folder (shards are
@@ -34,7 +34,7 @@ from pycocotools import mask as mask_utils
 from torch.utils.data import DataLoader, Dataset
 from torchvision.io import ImageReadMode, decode_jpeg
 
-from detpipe.files import filesystem as open_filesystem
+from detpipe.files import filesystem as open_filesystem, is_url
 from detpipe.errors import StageError
 from detpipe.data.sampler import ResumableDistributedSampler
 from detpipe.data.cachefmt import INDEX_FILE
@@ -247,7 +247,7 @@ class CachedDetectionDataset(Dataset):
 
     def shard_url(self, shard: int) -> str:
         """Where shard ``shard`` lives (local path, or the URL without its query string)."""
-        base = redact(self.root) if "://" in self.root else self._split_dir.rsplit("/", 1)[0]
+        base = redact(self.root) if is_url(self.root) else self._split_dir.rsplit("/", 1)[0]
         return f"{base.rstrip('/')}/{self.split}/{self._shard_names[shard]}"
 
     def _reader(self, shard: int) -> ipc.RecordBatchFileReader:
@@ -572,7 +572,7 @@ def micro_batches(dataset: CachedDetectionDataset, sampler: ResumableDistributed
     defer = decode_device is not None and torch.device(decode_device).type == "cuda" and dataset.encoding == "jpeg"
     dataset.defer_decode = defer
     prefetcher = None
-    if dataset._fs is not None and dataset._explicit_fs is None and "://" in dataset.root:
+    if dataset._fs is not None and dataset._explicit_fs is None and is_url(dataset.root):
         shards = dataset.sample_shards()
         lookahead = batch_size * (max(1, num_workers) * 2 + 2)  # DataLoader read-ahead: prefetch_factor 2/worker
         prefetcher = ShardPrefetcher(dataset._fs, dataset._split_dir, f"{redact(dataset.root)}/{dataset.split}",

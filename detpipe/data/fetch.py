@@ -2,7 +2,7 @@
 
 Retries use `tenacity` (exponential backoff ``backoff_s * 2**k`` seconds, capped at `MAX_BACKOFF_S`, on transient
 errors only); an interrupted HTTP transfer resumes with ``Range: bytes=N-``. URLs become filesystems in
-`detpipe.files.fsspec_filesystem`. Credentials in URLs are redacted from every message (`redact`).
+`detpipe.files` (`url_protocol`, `fsspec_filesystem`). Credentials in URLs are redacted from every message (`redact`).
 """
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ import tarfile
 import zipfile
 from pathlib import Path
 from typing import Callable, Iterator, Optional, TypeVar
-from urllib.parse import unquote, urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit
 
 import tenacity
 
 from detpipe.errors import StageError
-from detpipe.files import fsspec_filesystem, iter_files
+from detpipe.files import fsspec_filesystem, is_url, iter_files, redact_url, url_protocol
 
 log = logging.getLogger("detpipe.data.fetch")
 
@@ -38,27 +38,8 @@ T = TypeVar("T")
 
 
 def redact(url: str) -> str:
-    """``url`` fit for logs and error messages: a ``user:password@`` part becomes ``***@`` and a query
-    string (which may hold a signature or token) becomes ``?***``. Local paths are returned unchanged."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<unparsable URL>"
-    if not parts.scheme or len(parts.scheme) == 1:   # a plain path (or a Windows drive letter)
-        return url
-    netloc = parts.netloc
-    if "@" in netloc:
-        netloc = "***@" + netloc.rsplit("@", 1)[1]
-    query = "***" if parts.query else ""
-    return urlunsplit((parts.scheme, netloc, parts.path, query, ""))
-
-
-def protocol(source: str) -> str:
-    """fsspec protocol of ``source``: ``"file"`` for plain paths, else the URL scheme (lower case)."""
-    import fsspec.utils
-
-    proto = fsspec.utils.get_protocol(source)
-    return "file" if proto in ("file", "local") else proto.lower()
+    """``url`` fit for logs and error messages (`detpipe.files.redact_url`: credentials and query hidden)."""
+    return redact_url(url)
 
 
 def archive_kind(name: str) -> Optional[str]:
@@ -73,7 +54,7 @@ def archive_kind(name: str) -> Optional[str]:
 
 def source_name(source: str) -> str:
     """Last path component of a path or URL (query and fragment ignored), used to name the fetched file."""
-    path = urlsplit(source).path if "://" in source else source
+    path = urlsplit(source).path if is_url(source) else source
     name = posixpath.basename(unquote(path).rstrip("/"))
     return name or "download"
 
@@ -81,7 +62,7 @@ def source_name(source: str) -> str:
 def _exc_text(exc: BaseException, url: str) -> str:
     """One-line description of ``exc`` with any copy of the (secret-bearing) URL parts removed."""
     text = f"{type(exc).__name__}: {exc}".replace("\n", " ")
-    if "://" in url:
+    if is_url(url):
         parts = urlsplit(url)
         userinfo = parts.netloc.rsplit("@", 1)[0] + "@" if "@" in parts.netloc else ""
         for secret in (url, userinfo, parts.query, parts.password or ""):
@@ -355,7 +336,7 @@ def fetch(source: str, dest: Path | str, *, retries: int = 3, timeout_s: float =
         StageError: not found, access denied, permanent HTTP error, attempts used up, unsafe key.
     """
     dest = Path(dest)
-    proto = protocol(source)
+    proto = url_protocol(source)
     if proto in ("http", "https"):
         if urlsplit(source).path.endswith("/"):
             raise StageError(f"{redact(source)}: an HTTP source must be a single file or archive, not a folder")
@@ -384,7 +365,7 @@ def fetch(source: str, dest: Path | str, *, retries: int = 3, timeout_s: float =
 def _fetch_folder(fs, path: str, source: str, dest: Path, retries: int, backoff_s: float) -> None:
     """Copy every file under the folder/prefix ``path`` of ``fs`` into ``dest`` (see `fetch`)."""
     root = path.rstrip("/")
-    if protocol(source) == "file":
+    if url_protocol(source) == "file":
         files = {rel: full.stat().st_size for rel, full in iter_files(Path(root))}
         remote = {rel: str(Path(root, rel)) for rel in files}
     else:

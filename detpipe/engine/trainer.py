@@ -35,7 +35,7 @@ from detpipe.engine.train_loop import HookBase, TrainerBase
 from detpipe.launch.torchrun import LAUNCH_ONLY
 from detpipe.errors import Interrupted, StageError, received_signal
 from detpipe.engine.hooks import CheckpointHook, EMAHook, EvalHook, LRScheduleHook, MetricsHook, ProgressHook
-from detpipe.files import join_url, read_url_bytes
+from detpipe.files import is_url, join_url, read_url_bytes
 from detpipe.models import build_from_config, load_weights, model_config
 from detpipe.paths import ARROW_META, CACHE_DIR, CKPT_DIR, LIVE_DIR, MODEL as MODEL_OUT
 
@@ -354,13 +354,14 @@ def check_ranks_agree(model: torch.nn.Module, distributed: bool, rank: int, worl
 def read_cache_meta_bytes(root: str) -> bytes:
     """Bytes of ``<root>/meta.json`` for a local cache directory or a URL (``s3://...``).
     Raises `StageError` naming the location when it cannot be read."""
-    if "://" not in root and not (Path(root) / "meta.json").is_file():
+    if not is_url(root) and not (Path(root) / "meta.json").is_file():
         raise StageError(f"{Path(root) / 'meta.json'}: not found (run the augment stage first)")
-    return read_url_bytes(join_url(root, "meta.json"), "train.cache_url" if "://" in root else "augment cache")
+    return read_url_bytes(join_url(root, "meta.json"), "train.cache_url" if is_url(root) else "augment cache")
 
 
 def make_eval_fn(cache_dir: str | Path, arrow_meta: Path):
-    """``eval_fn(model) -> stats`` for `EvalHook`: COCO bbox stats on the val cache (see stages.evaluate)."""
+    """``eval_fn(model) -> stats`` for `EvalHook`: COCO bbox stats on the val cache (as
+    `detpipe.evaluation.evaluate`)."""
     from detpipe.evaluation.cocoeval import coco_evaluate
     from detpipe.evaluation.coco_evaluation import gt_from_arrow, label_to_category_id, predict
 

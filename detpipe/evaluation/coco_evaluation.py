@@ -60,7 +60,7 @@ def gt_from_arrow(split_dir: Path, meta: dict) -> dict:
 def masks_to_rles(masks: torch.Tensor, scale, offset, orig_size, threshold: float = MASK_THRESHOLD) -> list[dict]:
     """Predicted mask probabilities in cached pixels -> COCO compressed RLEs at the original image size.
 
-    The inverse of the cache's resize (`stages.augment`: ``orig = cached / scale + offset``): the centre
+    The inverse of the cache's resize (`detpipe.data.build_cache`: ``orig = cached / scale + offset``): the centre
     ``(i + 0.5, j + 0.5)`` of original pixel ``(i, j)`` lies at cached coordinates
     ``((i + 0.5 - offset_y) * scale_y, (j + 0.5 - offset_x) * scale_x)``; the probability there is interpolated
     bilinearly (``torch.nn.functional.grid_sample``, ``align_corners=False``, float64; edge values held within

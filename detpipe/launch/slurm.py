@@ -120,7 +120,7 @@ def run_job(script_text: str, workdir: Path, poll_s: float = 1.0) -> None:
 
     Raises:
         StageError: sbatch failed; the job ended in another state (its state, exit code and log are named).
-        Interrupted: SIGTERM/SIGINT stopped this process; the job was cancelled first (`detpipe.errors.run_stage`
+        Interrupted: SIGTERM/SIGINT stopped this process; the job was cancelled first (`detpipe.errors.run_program`
             then exits with 128 + signal).
     """
     logs = Path(workdir).resolve() / LOG_DIR

@@ -42,7 +42,7 @@ from typing import Iterator
 import psutil
 import yaml
 
-from detpipe.errors import StageError, run_stage
+from detpipe.errors import StageError, run_program
 from detpipe.files import temp_of
 
 log = logging.getLogger("detpipe.ops.repair")
@@ -432,4 +432,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    run_stage(main)
+    run_program(main)

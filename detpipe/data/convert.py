@@ -1,0 +1,232 @@
+"""Converting COCO instances JSON + image files to Apache Arrow IPC shards, with a validation report: the convert
+stage's work (`convert`, explicit paths, no dependence on the working directory; ``python -m stages.convert``
+calls it with params section ``convert``, reading ``data/raw`` and writing ``data/arrow``).
+
+Output (written into a temporary folder beside ``data/arrow`` and renamed at the end, so a failed or
+interrupted run leaves the previous output untouched and no half-written shard)::
+
+    data/arrow/train/part-00000.arrow ...   Arrow IPC *file* format (memory-mappable: pa.memory_map +
+    data/arrow/val/part-00000.arrow ...     pa.ipc.open_file), uncompressed, record batches of ~16 MiB
+    data/arrow/meta.json                    categories, label map, split sizes and shard lists
+    data/arrow/report.json                  validation counts per rule with the first 5 examples each
+
+Schema (one row per image; later stages read columns by name):
+
+=================  ==================================  ==================================================
+column             Arrow type                          meaning
+=================  ==================================  ==================================================
+``image_id``       int64                               COCO image id (full int64 range survives)
+``file_name``      string                              as in the JSON (relative to the image folder)
+``width``          int32                               pixels, of the image as `detpipe.data.imageio.decode_rgb`
+``height``         int32                               returns it (i.e. after EXIF orientation)
+``image``          binary                              the original encoded file bytes, unmodified
+``ann_id``         list<int64>                         COCO annotation ids
+``bbox``           list<fixed_size_list<float32, 4>>   COCO [x, y, w, h], pixels, in the decode_rgb frame,
+                                                       clipped to the image
+``category_id``    list<int64>                         COCO category id, as given
+``label``          list<int64>                         1..K by ascending category id (0 = background, as
+                                                       torchvision detection models expect)
+``iscrowd``        list<int8>                          0/1 (0 if missing)
+``area``           list<float64>                       as given (COCO: segment area, pixels^2); computed if
+                                                       missing
+``segmentation``   list<string>                        JSON text of the polygons / RLE as given
+                                                       ("" if absent or invalid: segmentation_invalid)
+=================  ==================================  ==================================================
+
+The per-object lists have the same length within a row; images without objects have empty lists (negatives).
+Rows within a split are in ascending ``image_id`` order.
+
+``meta.json``: ``{"categories": [...as given...], "category_id_to_label": {"<id>": label}, "label_names":
+["__background__", name_1, ...], "num_classes": K + 1, "splits": {"train": {"images": n, "annotations": m,
+"shards": ["train/part-00000.arrow", ...]}, "val": {...}}, "annotations_file": ..., "val_annotations_file":
+..., "val_fraction": ..., "seed": ...}`` (shard paths relative to ``data/arrow``).
+
+Split: without ``val_annotations`` the unique image ids of the one file are sorted, permuted with
+``numpy.random.default_rng(seed).permutation`` and the first ``round(n * val_fraction)`` go to val (`split_ids`).
+With ``val_annotations`` (images in ``val_images``, default ``images``) that file is the val split,
+``val_fraction`` is ignored, and its categories must equal the train file's (same ids and names) or the stage
+fails.
+
+EXIF orientation: ``decode_rgb`` applies the EXIF orientation, so ``width``/``height`` and the boxes are stored
+in that displayed frame. COCO's JSON describes the stored raster (its annotation tool showed images without
+applying EXIF orientation), so when the JSON width/height equal the stored raster's size, boxes, polygons and
+RLE masks are mapped to the displayed frame (``fixed``); when they instead equal the displayed size of a
+90-degree-rotated image, the annotations are taken as already displayed-frame (``kept``). The encoded bytes are
+never modified.
+
+Validation: the rules are the table `detpipe.data.coco.RULES` (rule -> action, description; ``report.json`` lists
+each with its count and first 5 examples: split, file, record, detail). Each dropped record is counted under the
+first rule it breaks; ``convert.strict: true`` turns every rule into a ``StageError`` naming the file, the record
+and the rule. Inputs that always stop the stage (``error: ... (rule '<name>')``, exit 2) are the table
+`detpipe.data.coco.ERRORS`: malformed JSON or records, file names no filesystem takes, JSON nested too deeply,
+disagreeing val categories, and any split that the rules empty. Each file (train, val) has its own image-id
+space: a val file may reuse train's ids; reports name the split with every id.
+
+Image check (`detpipe.data.imageio.inspect_image`): JPEG files (all of COCO) are decoded with ``Image.draft`` at 1/8 scale: libjpeg
+still entropy-decodes every block, skipping only the full-size IDCT and colour conversion, so it rejects the same
+files as ``decode_rgb`` at about 40 % of its cost (tests/test_convert.py checks the agreement on truncated and
+garbled COCO images). Other formats are decoded in full with ``decode_rgb``.
+
+Streaming and parallel: the JSON is the only thing held whole. Shards are planned from the file sizes (at most
+``shard_mb`` x 10^6 bytes of image bytes each, unless one image alone is larger); each shard is one task that a
+worker process reads, validates and writes itself (``workers``; 0 = in this process), with at most
+2 x ``workers`` tasks in flight, so memory is bounded by the JSON plus a few record batches per worker.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Iterator
+
+from detpipe.data.coco import Report, check_coco, gc_paused, index, load_json, split_ids
+from detpipe.data.cocoarrow import SCHEMA, ShardResult, ShardTask, convert_shard, plan_shards
+from detpipe.data.imageio import inspect_image
+from detpipe.errors import StageError
+from detpipe.files import atomic_dir
+from detpipe.params import Convert
+from detpipe.pool import bounded_map, process_pool
+
+log = logging.getLogger(__name__)
+
+__all__ = ["convert", "split_ids", "inspect_image", "SCHEMA"]
+
+
+def _sources(raw_root: Path, params: Convert, report: Report) -> tuple[dict, list, Path, Path | None]:
+    """Load and check the annotation file(s): ``({split: (entries, image dir, ann file, parsed by orjson)},
+    categories, train file, val file or None)``. Each file is indexed in its own image-id space."""
+    train_file = raw_root / params.annotations
+    data, fast = load_json(train_file)
+    check_coco(data, train_file)
+    categories = data["categories"]
+    images_dir = raw_root / params.images
+    if not images_dir.is_dir():
+        raise StageError(f"{images_dir}: image folder not found (convert.images)")
+    if params.val_images is not None and params.val_annotations is None:
+        raise StageError("convert.val_images is set but convert.val_annotations is null (set both, or "
+                         "neither to split the one file by val_fraction)")
+    idx = index(data, train_file, "train", report)
+    del data
+    if params.val_annotations is None:
+        train_ids, val_ids = split_ids(idx, params.val_fraction, params.seed)
+        return ({"train": ([idx[i] for i in train_ids], images_dir, train_file, fast),
+                 "val": ([idx[i] for i in val_ids], images_dir, train_file, fast)}, categories, train_file, None)
+    val_file = raw_root / params.val_annotations
+    vdata, vfast = load_json(val_file)
+    check_coco(vdata, val_file)
+    names = {c["id"]: c["name"] for c in categories}
+    vnames = {c["id"]: c["name"] for c in vdata["categories"]}
+    if vnames != names:
+        diff = sorted(set(vnames.items()) ^ set(names.items()))[0]
+        raise StageError(f"{val_file}: categories differ from {train_file} (first difference: id {diff[0]} "
+                         f"{diff[1]!r}); both files must list the same categories (rule 'categories_differ')")
+    val_dir = raw_root / (params.val_images or params.images)
+    if not val_dir.is_dir():
+        raise StageError(f"{val_dir}: image folder not found (convert.val_images)")
+    vidx = index(vdata, val_file, "val", report)
+    del vdata
+    return ({"train": ([idx[i] for i in sorted(idx)], images_dir, train_file, fast),
+             "val": ([vidx[i] for i in sorted(vidx)], val_dir, val_file, vfast)}, categories, train_file, val_file)
+
+
+def _collect(results: list[ShardResult], sources: dict, tmp: Path, report: Report) -> dict[str, dict]:
+    """Merge the shard results per split: rename shards to consecutive ``part-NNNNN.arrow`` names, merge
+    their findings into ``report``. Raises `StageError` (rule ``split_emptied``) when the rules dropped every
+    image of a split that listed some."""
+    results.sort(key=lambda r: (list(sources).index(r.split), r.index))
+    splits: dict[str, dict] = {}
+    for split, (entries, _, ann_file, _) in sources.items():
+        mine = [r for r in results if r.split == split]
+        shards = []
+        for r in mine:
+            report.merge(r.report)
+            if r.out_path is None:
+                continue
+            name = f"{split}/part-{len(shards):05d}.arrow"
+            if Path(r.out_path) != tmp / name:
+                os.rename(r.out_path, tmp / name)
+            shards.append(name)
+        splits[split] = {"images": sum(r.rows for r in mine), "annotations": sum(r.annotations for r in mine),
+                         "shards": shards, "images_in": len(entries),
+                         "annotations_in": sum(len(e.anns) for e in entries),
+                         "image_bytes": sum(r.image_bytes for r in mine)}
+    for split, (entries, _, ann_file, _) in sources.items():
+        if splits[split]["images"] == 0 and (entries or split == "train"):
+            raise StageError(f"{ann_file}: no usable images in the {split} split ({len(entries)} listed; "
+                             f"findings: {report.summary()}) (rule 'split_emptied')")
+    return splits
+
+
+def convert(raw_root: Path | str, out_dir: Path | str, params: Convert, *, progress: bool = True) -> dict:
+    """Convert a COCO instances dataset to Arrow IPC shards (see the module docstring for layout and schema).
+
+    Args:
+        raw_root: folder that ``params.annotations``/``images``/``val_annotations``/``val_images`` are relative to.
+        out_dir: output folder (replaced atomically: on any error it is left as it was).
+        params: the ``convert`` params section.
+        progress: show a tqdm progress bar (images) on stderr.
+    Returns:
+        ``{"meta": <meta.json>, "report": <report.json>}``.
+    Raises:
+        StageError: an input of `detpipe.data.coco.ERRORS` (malformed annotation file, a split emptied by the
+            rules, ...), a missing image folder, or (``params.strict``) any rule of `detpipe.data.coco.RULES`.
+    """
+    from tqdm import tqdm
+
+    raw_root, out_dir = Path(raw_root), Path(out_dir)
+    t0 = time.perf_counter()
+    report = Report(params.strict)
+    with process_pool(params.workers) as pool, gc_paused() as parsed:  # after the fork: not the workers'
+        sources, categories, train_file, val_file = _sources(raw_root, params, report)
+        parsed()                        # the JSON lives until the end: frozen out of later collections
+        cat_ids = sorted(c["id"] for c in categories)
+        labels = {cid: k + 1 for k, cid in enumerate(cat_ids)}
+        names = {c["id"]: c["name"] for c in categories}
+        total = sum(len(s[0]) for s in sources.values())
+        with atomic_dir(out_dir) as tmp, tqdm(total=total, unit="img", desc="convert", disable=not progress,
+                                              mininterval=0.5) as bar:
+            def tasks() -> Iterator[ShardTask]:
+                for split, (entries, img_dir, ann_file, fast_json) in sources.items():
+                    (tmp / split).mkdir()
+                    yield from plan_shards(split, entries, img_dir, tmp, ann_file, fast_json, labels,
+                                           params.shard_mb, params.strict)
+
+            results = []
+            for r in bounded_map(pool, convert_shard, tasks(), 2 * max(1, params.workers), ordered=False):
+                results.append(r)
+                bar.update(r.images)
+            splits = _collect(results, sources, tmp, report)
+            meta = {
+                "categories": categories,
+                "category_id_to_label": {str(cid): labels[cid] for cid in cat_ids},
+                "label_names": ["__background__"] + [names[cid] for cid in cat_ids],
+                "num_classes": len(cat_ids) + 1,
+                "splits": {s: {"images": v["images"], "annotations": v["annotations"], "shards": v["shards"]}
+                           for s, v in splits.items()},
+                "annotations_file": params.annotations,
+                "val_annotations_file": params.val_annotations,
+                "val_fraction": params.val_fraction if params.val_annotations is None else None,
+                "seed": params.seed,
+            }
+            rep = {
+                "strict": params.strict,
+                "annotations_file": str(train_file),
+                "val_annotations_file": None if val_file is None else str(val_file),
+                "splits": {s: {"images_in": v["images_in"], "images_out": v["images"],
+                               "annotations_in": v["annotations_in"], "annotations_out": v["annotations"],
+                               "image_bytes": v["image_bytes"], "shards": len(v["shards"])}
+                           for s, v in splits.items()},
+                "rules": report.to_json(),
+            }
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+            (tmp / "report.json").write_text(json.dumps(rep, indent=2) + "\n")
+
+    tr, va = splits["train"], splits["val"]
+    log.info("convert: train %d images / %d annotations in %d shard(s), val %d / %d in %d; dropped %d of %d "
+             "images; findings: %s (%s/report.json) [%.1f s]",
+             tr["images"], tr["annotations"], len(tr["shards"]), va["images"], va["annotations"],
+             len(va["shards"]), total - tr["images"] - va["images"], total, report.summary(), out_dir,
+             time.perf_counter() - t0)
+    return {"meta": meta, "report": rep}
