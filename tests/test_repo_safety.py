@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
-from support.procs import run, stage_env
+from support.procs import REPO, run, stage_env
 
 from detpipe.ops import repair as detrepo
 
@@ -290,3 +290,20 @@ def test_repair_tells_a_reused_pid_from_the_dvc_that_wrote_the_rwlock(work, rwlo
         assert rwlock.exists()
     else:
         assert any("stage locks of killed DVC processes" in a for a in actions) and not rwlock.exists(), actions
+
+
+def test_repair_finds_every_stage_temporary_by_the_one_rule(tmp_path):
+    """The temporaries the stages leave when killed follow `detpipe.files.TEMP_NAME`, so `stage_temporaries`
+    finds them: an atomic output's ``.<name>.tmp-*``, a replaced output's ``.<name>.old-<pid>``, download's
+    ``.raw.fetch-*`` and export's staging folder (which repair never found while it was ``.export-staging``)."""
+    from detpipe.files import temp_prefix
+
+    shutil.copyfile(REPO / "dvc.yaml", tmp_path / "dvc.yaml")
+    left = [tmp_path / "models" / f"{temp_prefix(tmp_path / 'models' / 'export')}4242",
+            tmp_path / "data" / f"{temp_prefix(tmp_path / 'data' / 'cache')}abc_1",
+            tmp_path / "data" / f"{temp_prefix(tmp_path / 'data' / 'arrow', 'old')}4242",
+            tmp_path / "data" / f"{temp_prefix(tmp_path / 'data' / 'raw', 'fetch')}x9"]
+    for path in left:
+        path.mkdir(parents=True)
+    (tmp_path / "models" / ".export-staging").mkdir()       # not a temporary name: a user's folder stays
+    assert detrepo.stage_temporaries(tmp_path) == sorted(left)

@@ -38,7 +38,7 @@ from typing import Optional
 from detpipe.data.fetch import (BACKOFF_S, CHUNK_BYTES, MAX_COMPRESSION_RATIO, MAX_EXTRACT_BYTES, archive_kind,
                                 check_relpath, extract, fetch, redact, source_name)
 from detpipe.errors import StageError
-from detpipe.files import atomic_dir, folder_sha256, local_path, sha256_file, url_protocol
+from detpipe.files import atomic_dir, folder_sha256, local_path, sha256_file, temp_prefix, url_protocol
 from detpipe.params import Download
 from detpipe.paths import RAW_DIR
 
@@ -134,7 +134,7 @@ def download(source: str, out: Path | str = RAW_DIR, *, sha256: Optional[str] = 
             return digest
         name = source_name(source)
         kind = archive_kind(name)
-        with tempfile.TemporaryDirectory(prefix=f".{out.name}.fetch-", dir=out.parent) as staging:
+        with tempfile.TemporaryDirectory(prefix=temp_prefix(out, "fetch"), dir=out.parent) as staging:
             if local is not None:
                 fetched = local                              # read local archives/files in place
             else:

@@ -21,6 +21,7 @@ compared nothing fails unless ``export.require_parity: false``. Nothing is writt
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -30,7 +31,7 @@ from detpipe.data.dataset import CachedDetectionDataset, uses_masks
 from detpipe.errors import StageError
 from detpipe.export.exporter import (TORCH_EXPORT_UNSUPPORTED, DetectionExport, export_onnx, export_program,
                                      export_torchscript, model_card, parity, split_outputs, torch_export_supported)
-from detpipe.files import atomic_dir, atomic_write_bytes, atomic_write_json
+from detpipe.files import atomic_dir, atomic_write_bytes, atomic_write_json, temp_prefix
 from detpipe.models import load_model
 from detpipe.paths import ARROW_DIR, CACHE_DIR, METRICS, MODEL, MODELS_DIR
 
@@ -74,7 +75,8 @@ def export(cfg: params_mod.Export, model_path: Path = MODEL, cache_dir: Path = C
     report = {"images": len(images), "rtol": cfg.rtol, "score_threshold": cfg.score_threshold,
               "iou_match": cfg.iou_match, "opset": cfg.opset, "masks": masks, "raw_outputs": names, "formats": {}}
 
-    staging = Path(out_dir) / ".export-staging"
+    # named by the temporary-name rule, so that `detpipe.ops.repair` removes what a killed export left
+    staging = Path(out_dir) / f"{temp_prefix(Path(out_dir) / 'export')}{os.getpid()}"
     with atomic_dir(staging) as tmp:
         (tmp / "torchscript").mkdir()
         (tmp / "torch_export").mkdir()
