@@ -62,6 +62,8 @@ async def follow(run: str, poll_s: float = 2.0, out=sys.stdout) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m flows.logs <run> [--poll S]``: `follow` the run; exit status 0 when it Completed, 1 in another
+    final state, 2 when there is no such run."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run", help="flow run id (printed by `prefect deployment run`) or name")
     parser.add_argument("--poll", type=float, default=2.0, help="seconds between polls (default 2)")

@@ -1,4 +1,4 @@
-"""Prefect flow behind deployment ``train/sweep``: a grid or list of params overrides run as parallel DVC
+"""Prefect flow ``sweep`` (deployment ``sweep/main``): a grid or list of params overrides run as parallel DVC
 experiments, e.g. ``python -m flows.sweep -p 'train.lr=[0.01,0.02]' -p train.epochs=4``.
 
 Stages whose params all runs share (download, convert, augment) run once first; DVC's run cache in the shared
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import Any
 
@@ -19,10 +18,10 @@ from prefect.cache_policies import NO_CACHE
 from prefect.client.orchestration import get_client
 from prefect.runtime import flow_run
 
-from detpipe.ops import overrides as ov
 from detpipe import params as params_mod
-from detpipe.ops import workspace
-from flows.train import DEFAULT_REPO, REPO_ENV, STAGES, experiment_name, report, train
+from detpipe.ops import overrides
+from detpipe.ops.experiments import experiment_name
+from flows.train import REPO_ENV, report, repository, train
 
 LIMIT_TAG = "detpipe-experiment"
 SHARED = ("download", "convert", "augment")  # stages before training
@@ -34,14 +33,14 @@ def experiment(overrides: dict[str, Any], repo: str, name: str) -> dict:
     return train.with_options(flow_run_name=name)(overrides=overrides, repo=repo)
 
 
-@flow(name="train", persist_result=True)
+@flow(name="sweep", persist_result=True)
 def sweep(grid: dict[str, Any] | None = None, runs: list[dict[str, Any]] | None = None,
           repo: str | None = None) -> list[dict]:
     """Run every override set of ``grid``/``runs`` (see `detpipe.ops.overrides.expand`) as an experiment named
     ``<sweep run name>-<i>``; returns their results and publishes table artifact ``sweep-results`` (runs ×
     overrides × AP, AP50)."""
-    sets = ov.expand(grid, runs)
-    root = workspace.resolve_repo(repo or os.environ.get(REPO_ENV) or DEFAULT_REPO, STAGES)
+    sets = overrides.expand(grid, runs)
+    root = repository(repo)
     with get_client(sync_client=True) as client:
         client.create_concurrency_limit(tag=LIMIT_TAG, concurrency_limit=params_mod.load(
             "flows", path=root / "params.yaml").max_parallel)
@@ -64,9 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repo", default=None, help=f"repository (default ${REPO_ENV}, else this checkout)")
     args = parser.parse_args(argv)
     try:
-        grid = ov.parse(args.param)
-        ov.expand(grid)
-    except ov.OverrideError as e:
+        grid = overrides.parse(args.param)
+        overrides.expand(grid)
+    except overrides.OverrideError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return report(sweep(grid=grid, repo=args.repo, return_state=True))

@@ -5,7 +5,8 @@ flows.serve`` serves it as deployment ``train/main``. A run works in a git workt
 sharing its DVC cache (`detpipe.ops.workspace`), writes its overrides into that worktree's params.yaml
 (`detpipe.ops.overrides`), runs ``dvc repro --single-item <stage>`` per stage task (DVC skips what is up to date;
 commands bound to the run's life by `detpipe.ops.processes`) and saves the worktree as DVC experiment named after the
-flow run (``dvc exp save``, with the ``cache: false`` metrics and plots ``dvc exp run`` would commit).
+flow run (`detpipe.ops.experiments`: ``dvc exp save``, with the ``cache: false`` metrics and plots ``dvc exp run``
+would commit).
 
 With ``sync`` (always in a ``--source`` deployment, whose clone is thrown away) the run also pulls from and
 pushes to the team's remotes (`detpipe.ops.remotes`): it fails at once without them, continues an experiment of
@@ -18,23 +19,19 @@ import argparse
 import contextlib
 import json
 import os
-import re
 import sys
 from pathlib import Path
 from typing import Any
 
-import yaml
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
-from detpipe.ops import overrides as ov
-from detpipe import params as params_mod
-from detpipe.ops import remotes as rm
 from detpipe import lifeline
-from detpipe.ops import processes as runs
-from detpipe.ops import workspace
+from detpipe import params as params_mod
+from detpipe.ops import experiments, remotes, workspace
+from detpipe.ops import overrides as overrides_mod   # the flow's parameter `overrides` takes the module's name
 from detpipe.ops.repair import repair
 
 STAGES = ("download", "convert", "augment", "train", "evaluate", "export")
@@ -42,73 +39,38 @@ DEFAULT_REPO = Path(__file__).resolve().parent.parent
 REPO_ENV = "DETPIPE_REPO"  # the repository the flow works on, when the ``repo`` parameter is not given
 
 
+def repository(repo: str | None) -> Path:
+    """The repository a run works on: ``repo``, else ``$DETPIPE_REPO``, else the one holding this file; raises
+    `detpipe.ops.workspace.WorkspaceError` unless it is a git+DVC repository with the pipeline's `STAGES`."""
+    return workspace.resolve_repo(repo or os.environ.get(REPO_ENV) or DEFAULT_REPO, STAGES)
+
+
 @task(name="stage", task_run_name="{stage}", retries=1, retry_delay_seconds=10, cache_policy=NO_CACHE,
       persist_result=False)
-def run_stage(stage: str, ws: str, sync: rm.Run | None = None, push_every: int = 0) -> str:
-    """``dvc repro --single-item <stage>`` in workspace ``ws`` (its upstream stages are the earlier tasks); with
-    ``sync`` also ``--pull``, checkpoints pushed as partial experiment every ``push_every`` while training,
-    and the outputs pushed afterwards. Returns ``"ran"``, ``"restored"`` (from DVC's run-cache) or
-    ``"skipped"`` (up to date). Raises `runs.CommandError`.
-    First `detpipe.ops.repair.repair` undoes what a killed DVC left (cut lock files, temporary folders)."""
+def repro_stage(stage: str, ws: str, sync: remotes.Run | None = None, push_every: int = 0) -> str:
+    """Reproduce ``stage`` in workspace ``ws`` (`detpipe.ops.experiments.repro`; its upstream stages are the
+    earlier tasks), after `detpipe.ops.repair.repair` undid what a killed DVC left; with ``sync`` also pull,
+    push checkpoints every ``push_every`` while training, and push the outputs. Returns ``"ran"``,
+    ``"restored"`` or ``"skipped"``. Raises `detpipe.ops.processes.CommandError`."""
     logger, ws = get_run_logger(), Path(ws)
     for note in repair(ws):
         logger.warning("repair: %s", note)
-    pushing = rm.pushing_checkpoints(ws, sync, push_every, logger) if sync and stage == "train" else None
+    pushing = remotes.pushing_checkpoints(ws, sync, push_every, logger) if sync and stage == "train" else None
     with pushing or contextlib.nullcontext():
-        lines = runs.run_logged(runs.dvc("repro", "--single-item", stage, *["--pull"] * bool(sync)), ws, logger)
+        outcome = experiments.repro(ws, stage, logger, pull=bool(sync))
     if sync:
-        rm.push_stage(ws, stage, logger)
-    if any(ln.startswith(f"Running stage '{stage}'") for ln in lines):
-        return "ran"
-    return "restored" if any("is cached - skipping run" in ln for ln in lines) else "skipped"
+        remotes.push_stage(ws, stage, logger)
+    return outcome
 
 
 @task(name="experiment", task_run_name="exp-save-{name}", retries=1, cache_policy=NO_CACHE, persist_result=False)
-def save_experiment(name: str, ws: str, sync: rm.Run | None = None) -> str:
-    """``dvc exp save --name <name> --force`` (a retry replaces its own experiment) with the pipeline's
-    untracked files, with ``sync`` pushed (`detpipe.ops.remotes.push_experiment`); returns the experiment's git ref."""
-    args = ["exp", "save", "--name", name, "--force"]
-    for path in workspace.untracked_pipeline_files(Path(ws)):
-        args += ["--include-untracked", path]
-    with workspace.experiment_lock(Path(ws)):
-        runs.run_logged(runs.dvc(*args), Path(ws), get_run_logger())
-    base = runs.run_logged(["git", "rev-parse", "HEAD"], Path(ws), get_run_logger())[-1]
-    ref = f"refs/exps/{base[:2]}/{base[2:]}/{name}"
+def save_experiment(name: str, ws: str, sync: remotes.Run | None = None) -> str:
+    """Save workspace ``ws`` as experiment ``name`` (`detpipe.ops.experiments.save`), with ``sync`` pushed
+    (`detpipe.ops.remotes.push_experiment`); returns the experiment's git ref."""
+    ref = experiments.save(Path(ws), name, get_run_logger())
     if sync:
-        rm.push_experiment(Path(ws), ref, sync.remotes, get_run_logger())
+        remotes.push_experiment(Path(ws), ref, sync.remotes, get_run_logger())
     return ref
-
-
-def experiment_name(run_name: str | None) -> str:
-    """A DVC experiment (git ref) name from a flow run name: other characters than ``[A-Za-z0-9_-]`` → ``-``."""
-    return re.sub(r"[^A-Za-z0-9_-]+", "-", run_name or "").strip("-") or "prefect-run"
-
-
-def summarize(ws: Path, stages: dict, experiment: str, ref: str, overrides: dict, sync: rm.Run | None) -> dict:
-    """The run's result: experiment, git ref, overrides, what each stage did, COCO bbox metrics, and each
-    cached output's md5 and where it is: with ``sync`` its URI in the DVC remote and the git remote's URL,
-    else its file in the shared DVC cache (``<cache>/files/md5/ab/cdef…``)."""
-    cache = Path(runs.run_logged(runs.dvc("cache", "dir"), ws, get_run_logger())[-1])
-    lock = yaml.safe_load((ws / "dvc.lock").read_text())["stages"]
-    cached = set(workspace.pipeline_outs(ws, cached=True))
-    outs = {o["path"]: o["md5"] for s in lock.values() for o in s.get("outs", []) if o["path"] in cached}
-    files = {p: cache / "files" / "md5" / h[:2] / h[2:] for p, h in outs.items()}
-    where = (lambda p: {"remote": sync.remotes.uri(outs[p])}) if sync else (lambda p: {"cache": str(files[p])})
-    outputs = {p: {"md5": outs[p], **where(p)} for p, f in files.items() if f.is_file()}
-    metrics = json.loads((ws / "metrics/eval.json").read_text()).get("bbox", {})
-    remote = {"git_remote": sync.remotes.git_url, "dvc_remote": sync.remotes.dvc_url} if sync else {}
-    return {"experiment": experiment, "ref": ref, **remote, "overrides": overrides, "stages": stages,
-            "metrics": metrics, "outputs": outputs}
-
-
-def _markdown(r: dict) -> str:
-    get = f"`dvc exp pull origin {r['experiment']}` (git remote {r['git_remote']}) and " if "git_remote" in r else ""
-    rows = [f"# Experiment `{r['experiment']}` (`{r['ref']}`)", "", f"Overrides `{json.dumps(r['overrides'])}`; "
-            f"{get}`dvc exp apply {r['experiment']}` bring it into a workspace.", "", "| stage | DVC |", "|---|---|"]
-    rows += [f"| {s} | {v} |" for s, v in r["stages"].items()] + ["", "| COCO bbox | value |", "|---|---|"]
-    rows += [f"| {k} | {v:.4f} |" for k, v in r["metrics"].items()] + ["", "| output | md5 |", "|---|---|"]
-    rows += [f"| {p} | {o['md5']} {o.get('remote', '')} |" for p, o in r["outputs"].items()]
-    return "\n".join(rows) + "\n"
 
 
 @flow(name="train", persist_result=True)
@@ -124,8 +86,8 @@ def train(overrides: dict[str, Any] | None = None, repo: str | None = None, upto
         sync: pull from and push to the git remote ``origin`` and the default DVC remote (`detpipe.ops.remotes`);
             always on where ``$DETPIPE_SYNC`` is 1 (``--source`` deployments).
     Returns:
-        `summarize`'s dict, also published as markdown artifact ``train-results``; None when ``upto`` stops
-        early.
+        `detpipe.ops.experiments.summarize`'s dict, also published as markdown artifact ``train-results``; None
+        when ``upto`` stops early.
     Raises:
         StageError: bad overrides or repository, a remote missing or unreachable (`detpipe.ops.remotes.RemoteError`,
             before any work), or a stage failing after its retries.
@@ -133,24 +95,27 @@ def train(overrides: dict[str, Any] | None = None, repo: str | None = None, upto
     if os.environ.get("PREFECT__FLOW_RUN_ID"):  # started by serve or a worker: die with it (see detpipe.ops.processes)
         lifeline.die_with_parent()
     logger = get_run_logger()
-    root = workspace.resolve_repo(repo or os.environ.get(REPO_ENV) or DEFAULT_REPO, STAGES)
-    overrides = ov.normalize(overrides)
-    name, run_id = experiment_name(flow_run.get_name()), str(flow_run.get_id())
-    syncing = sync or os.environ.get(rm.SYNC_ENV) == "1"
-    synced = rm.Run(rm.check(root), name, run_id) if syncing else None
-    start = rm.find_experiment(root, synced, logger) if synced else None
+    root, overrides = repository(repo), overrides_mod.normalize(overrides)
+    name, run_id = experiments.experiment_name(flow_run.get_name()), str(flow_run.get_id())
+    syncing = sync or os.environ.get(remotes.SYNC_ENV) == "1"
+    synced = remotes.Run(remotes.check(root), name, run_id) if syncing else None
+    start = remotes.find_experiment(root, synced, logger) if synced else None
     stages: dict[str, str] = {}
-    with workspace.isolated(root, run_id, logger, start, bool(synced)) as ws, rm.keeping(ws, synced, stages, logger):
-        ov.apply(ws / "params.yaml", overrides)
+    with (workspace.isolated(root, run_id, logger, start, bool(synced)) as ws,
+          remotes.keeping(ws, synced, stages, logger)):
+        overrides_mod.apply(ws / "params.yaml", overrides)
         logger.info("params.yaml overrides of this run: %s", overrides)
         cfg = params_mod.load("flows", path=ws / "params.yaml")
-        stage = run_stage.with_options(retries=cfg.retries, retry_delay_seconds=cfg.retry_delay_s)
+        stage = repro_stage.with_options(retries=cfg.retries, retry_delay_seconds=cfg.retry_delay_s)
         for s in STAGES[:STAGES.index(upto) + 1]:
             stages[s] = stage(s, str(ws), synced, cfg.push_checkpoints_every)
         if upto != STAGES[-1]:
             return None
-        result = summarize(ws, stages, name, save_experiment(name, str(ws), synced), overrides, synced)
-    create_markdown_artifact(key="train-results", markdown=_markdown(result), description=f"experiment {name}")
+        ref = save_experiment(name, str(ws), synced)
+        result = experiments.summarize(ws, stages, name, ref, overrides, synced.remotes if synced else None,
+                                         logger)
+    create_markdown_artifact(key="train-results", markdown=experiments.markdown(result),
+                             description=f"experiment {name}")
     logger.info("result: %s", json.dumps(result))
     return result
 
@@ -165,8 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sync", action="store_true", help="pull from and push to the git and DVC remotes")
     args = parser.parse_args(argv)
     try:
-        overrides = ov.parse(args.param)
-    except ov.OverrideError as e:
+        overrides = overrides_mod.parse(args.param)
+    except overrides_mod.OverrideError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return report(train(overrides=overrides or None, repo=args.repo, sync=args.sync, return_state=True))

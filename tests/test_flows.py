@@ -105,29 +105,29 @@ def test_deployment_schema_covers_every_param():
 def test_heartbeat_and_crash_thresholds_are_settings(monkeypatch):
     """Crash detection's two intervals come from the environment (documented defaults 30 s / 90 s); a
     heartbeat below Prefect's minimum or a threshold that a live run's next heartbeat could miss is refused."""
-    from flows import serve
+    from detpipe.ops import deployments
 
-    monkeypatch.delenv(serve.HEARTBEAT_ENV, raising=False)
-    monkeypatch.delenv(serve.ZOMBIE_ENV, raising=False)
-    assert (serve.heartbeat_s(), serve.zombie_after_s()) == (30, 90)
-    monkeypatch.setenv(serve.HEARTBEAT_ENV, "60")
-    assert (serve.heartbeat_s(), serve.zombie_after_s()) == (60, 180)      # three heartbeats by default
-    monkeypatch.setenv(serve.ZOMBIE_ENV, "75")
-    assert serve.zombie_after_s() == 75
-    for name, value, words in ((serve.ZOMBIE_ENV, "60", "longer than the heartbeat interval (60 s)"),
-                               (serve.ZOMBIE_ENV, "1m", "whole seconds"),
-                               (serve.HEARTBEAT_ENV, "10", ">= 30 (Prefect's minimum)")):
+    monkeypatch.delenv(deployments.HEARTBEAT_ENV, raising=False)
+    monkeypatch.delenv(deployments.ZOMBIE_ENV, raising=False)
+    assert (deployments.heartbeat_s(), deployments.zombie_after_s()) == (30, 90)
+    monkeypatch.setenv(deployments.HEARTBEAT_ENV, "60")
+    assert (deployments.heartbeat_s(), deployments.zombie_after_s()) == (60, 180)      # three heartbeats by default
+    monkeypatch.setenv(deployments.ZOMBIE_ENV, "75")
+    assert deployments.zombie_after_s() == 75
+    for name, value, words in ((deployments.ZOMBIE_ENV, "60", "longer than the heartbeat interval (60 s)"),
+                               (deployments.ZOMBIE_ENV, "1m", "whole seconds"),
+                               (deployments.HEARTBEAT_ENV, "10", ">= 30 (Prefect's minimum)")):
         monkeypatch.setenv(name, value)
         with pytest.raises(SystemExit, match=re.escape(words)):
-            serve.zombie_after_s()
-        monkeypatch.setenv(name, {serve.ZOMBIE_ENV: "75", serve.HEARTBEAT_ENV: "60"}[name])
+            deployments.zombie_after_s()
+        monkeypatch.setenv(name, {deployments.ZOMBIE_ENV: "75", deployments.HEARTBEAT_ENV: "60"}[name])
 
 
 # ---------------------------------------------------------------------------------------------- fixtures
 
 @pytest.fixture(scope="module")
 def prefect(prefect_api):
-    """The session's Prefect server with ``python -m flows.serve`` serving ``train/main`` (and ``train/sweep``)
+    """The session's Prefect server with ``python -m flows.serve`` serving ``train/main`` (and ``sweep/main``)
     from this checkout; serve is stopped at the end of the module."""
     first = len(prefect_api.procs)
     serve = prefect_api.serve()
@@ -277,7 +277,9 @@ def killed_run(prefect, reproduced_repo, tmp_path_factory):
     overrides = {"train.lr": 0.02, "flows.retries": 1, "flows.retry_delay_s": 1}
     run = prefect.start_run(repo, overrides, "killed-run")
     ws = _workspace(repo, run)
-    first = _wait_checkpoint(ws, 0, run)
+    # the workspace starts with the reproduced run's checkpoints (a `persist: true` output, checked out): wait
+    # for one of this run's training, past them
+    first = _wait_checkpoint(ws, max(_checkpoints(repo), default=0), run)
     launcher = _train_launcher(ws)
     tree = [launcher, *launcher.children(recursive=True)]
     launcher.kill()
@@ -388,7 +390,7 @@ def test_cancel_stops_training_and_leaves_workspace_as_it_was(prefect, killed_ru
     before = snapshot(repo)
     run = prefect.start_run(repo, {"train.epochs": 50, "train.checkpoint_every": 1}, "cancelled-run")
     ws = _workspace(repo, run)
-    _wait_checkpoint(ws, 0, run)
+    _wait_checkpoint(ws, max(_checkpoints(repo), default=0), run)      # past the checked-out ones
     tree = _run_tree(ws)
     out_id = prefect.id_of("cancelled-run")
     prefect.cli("flow-run", "cancel", out_id)
@@ -433,7 +435,7 @@ def _columns80(cmd: list[str], cwd: Path) -> str:
 
 @pytest.mark.slow
 def test_sweep_runs_in_parallel_and_compares_in_80_columns(prefect, killed_run, tmp_path):
-    """``train/sweep`` with a grid of 2 learning rates (``flows.max_parallel: 2``): the shared stages run once
+    """``sweep/main`` with a grid of 2 learning rates (``flows.max_parallel: 2``): the shared stages run once
     before, both experiments' train stages overlap in time (log timestamps), both are DVC experiments with their
     params, the README's ``dvc exp show`` command shows their AP, AP50 and train.lr in 80 columns without an
     ellipsis, and the user's workspace is unchanged."""
@@ -443,7 +445,7 @@ def test_sweep_runs_in_parallel_and_compares_in_80_columns(prefect, killed_run, 
     sh(["git", "commit", "-qam", "two experiments at once"], repo)
     before = snapshot(repo)
     params = {"grid": {"train.lr": [0.03, 0.04]}, "repo": str(repo)}
-    proc = subprocess.run([sys.executable, "-m", "prefect", "deployment", "run", "train/sweep", "--params",
+    proc = subprocess.run([sys.executable, "-m", "prefect", "deployment", "run", "sweep/main", "--params",
                            json.dumps(params), "--flow-run-name", "sweep1", "--watch", "--watch-interval", "2"],
                           env=prefect.env, capture_output=True, text=True, timeout=1200, cwd=prefect.logs)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]

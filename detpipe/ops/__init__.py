@@ -1,1 +1,2 @@
-"""Running the pipeline for a flow run or a team: processes bound to a run, params overrides, isolated workspaces, the team's remotes, repository repair, partial commits."""
+"""Running the pipeline for a flow run or a team: processes bound to a run, params overrides, isolated workspaces,
+DVC experiments, the team's remotes, Prefect deployments, repository repair, partial commits."""

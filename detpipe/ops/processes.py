@@ -55,8 +55,25 @@ def child_env() -> dict[str, str]:
 
 
 def dvc(*args: str) -> list[str]:
-    """``dvc --wait-for-lock <args>`` run with this interpreter (``python -m dvc``)."""
+    """The command line of ``dvc --wait-for-lock <args>`` run with this interpreter (``python -m dvc``): the one
+    way detpipe.ops and flows/ start DVC (with `run_logged` or ``subprocess.run``)."""
     return [sys.executable, "-m", "dvc", "--wait-for-lock", *args]
+
+
+def git(cwd: Path, *args: str, check: bool = True, timeout: float | None = None) -> subprocess.CompletedProcess:
+    """Run ``git <args>`` in ``cwd`` with its output captured as text (not logged; `run_logged` logs a command),
+    never prompting for credentials (``GIT_TERMINAL_PROMPT=0``).
+
+    Args:
+        check: raise when git exits with a non-zero status (else read ``returncode``).
+        timeout: seconds before the command is killed (None: no limit).
+    Raises:
+        subprocess.CalledProcessError: ``check`` and a non-zero exit status.
+        subprocess.TimeoutExpired: it ran longer than ``timeout`` seconds.
+        OSError: no ``git`` executable.
+    """
+    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=check, timeout=timeout,
+                          env={**os.environ, "GIT_TERMINAL_PROMPT": "0"})
 
 
 def run_logged(cmd: list[str], cwd: Path, logger) -> list[str]:

@@ -15,11 +15,12 @@ deletes afterwards; opt-in for others) keeps nothing only locally:
 * a failed, cancelled or interrupted run pushes what it has (`keeping`); a finished one is saved and pushed
   with ``dvc exp push`` (flows/train.py). ``dvc exp pull origin <name>`` then brings any of them into a clone.
 
-A partial experiment is an ordinary DVC experiment commit (parent: the run's baseline commit; ref
-``refs/exps/<baseline[:2]>/<baseline[2:]>/<name>``) whose ``dvc.lock`` records the finished stages and, for an
-unfinished training, ``checkpoints/`` (`detpipe.ops.commit_partial`: ``models/model.pt`` without a hash, so DVC
-sees the stage as not done). It is made in a second worktree from hard links to the finished checkpoint files,
-so the running training is never paused or touched. The finished run's ``dvc exp push --force`` replaces it.
+A partial experiment is an ordinary DVC experiment commit (parent: the run's baseline commit; its ref is
+`detpipe.ops.experiments.experiment_ref`, where a finished run's ``dvc exp save`` puts it) whose ``dvc.lock``
+records the finished stages and, for an unfinished training, ``checkpoints/`` (`detpipe.ops.commit_partial`:
+``models/model.pt`` without a hash, so DVC sees the stage as not done). It is made in a second worktree from
+hard links to the finished checkpoint files, so the running training is never paused or touched. The finished
+run's push (`push_experiment`) replaces it.
 """
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ from pathlib import Path
 from typing import Iterator
 
 from detpipe.errors import StageError
-from detpipe.ops.processes import dvc, run_logged
+from detpipe.ops import experiments
+from detpipe.ops.processes import dvc, git, run_logged
 
 GIT_REMOTE = "origin"
 SYNC_ENV = "DETPIPE_SYNC"      # "1" in a ``--source`` deployment's job environment: its runs always sync
@@ -79,11 +81,6 @@ class Run:
     run_id: str
 
 
-def _git(cwd: Path, *args: str, timeout: float | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "GIT_TERMINAL_PROMPT": "0"})
-
-
 def _first_line(text: str) -> str:
     return next((ln.strip() for ln in text.splitlines() if ln.strip()), "no output")
 
@@ -97,13 +94,13 @@ def check(root: Path, git_remote: str = GIT_REMOTE, timeout_s: float = PROBE_TIM
             credentials, or is a local folder that does not exist (a throw-away clone's relative default
             ``../../dvc-storage`` would be deleted with it).
     """
-    got = _git(root, "remote", "get-url", git_remote)
+    got = git(root, "remote", "get-url", git_remote, check=False)
     if got.returncode:
         raise RemoteError(f"{root}: no git remote '{git_remote}' to push experiments to "
                           f"(git remote add {git_remote} <url>)")
     git_url = got.stdout.strip()
     try:
-        probe = _git(root, "ls-remote", "--heads", git_remote, timeout=timeout_s)
+        probe = git(root, "ls-remote", "--heads", git_remote, timeout=timeout_s, check=False)
     except subprocess.TimeoutExpired:
         raise RemoteError(f"git remote '{git_remote}' ({git_url}) did not answer in {timeout_s:.0f} s") from None
     if probe.returncode:
@@ -154,24 +151,24 @@ def find_experiment(root: Path, run: Run, logger) -> str | None:
     """Fetch experiment ``run.name`` from the git remote if an earlier attempt of this flow run pushed it there,
     and return its commit sha; else None (an experiment of that name from another flow run is replaced at the
     end, never continued). Raises `RemoteError` when the remote cannot be listed or fetched."""
-    git = run.remotes.git
-    listing = _git(root, "ls-remote", git, "refs/exps/*", timeout=PROBE_TIMEOUT_S)
+    remote = run.remotes.git
+    listing = git(root, "ls-remote", remote, "refs/exps/*", timeout=PROBE_TIMEOUT_S, check=False)
     if listing.returncode:
-        raise RemoteError(f"git remote '{git}': {_first_line(listing.stderr)}")
+        raise RemoteError(f"git remote '{remote}': {_first_line(listing.stderr)}")
     refs = [ln.split("\t") for ln in listing.stdout.splitlines() if ln.endswith(f"/{run.name}")]
     if not refs:
         return None
     sha, ref = refs[0]
-    fetched = _git(root, "fetch", "-q", git, f"+{ref}:{ref}", timeout=600)
+    fetched = git(root, "fetch", "-q", remote, f"+{ref}:{ref}", timeout=600, check=False)
     if fetched.returncode:
-        raise RemoteError(f"git fetch {git} {ref}: {_first_line(fetched.stderr)}")
-    message = _git(root, "log", "-1", "--format=%B", sha).stdout
+        raise RemoteError(f"git fetch {remote} {ref}: {_first_line(fetched.stderr)}")
+    message = git(root, "log", "-1", "--format=%B", sha, check=False).stdout
     if _owner(run.run_id) not in message:
         logger.warning("experiment '%s' on %s (%s) is not from this flow run: starting anew (it is replaced "
-                       "when this run pushes)", run.name, git, ref)
+                       "when this run pushes)", run.name, remote, ref)
         return None
     logger.info("experiment '%s' is on %s (%s, pushed by an earlier attempt of this flow run): continuing from it",
-                run.name, git, ref)
+                run.name, remote, ref)
     return sha
 
 
@@ -198,7 +195,7 @@ def push_experiment(ws: Path, ref: str, remotes: Remotes, logger) -> None:
 
 def _identity(cwd: Path) -> list[str]:
     """``-c user.name/-c user.email`` for a commit where git has no identity configured (a worker's clone)."""
-    if _git(cwd, "config", "user.email").stdout.strip() or os.environ.get("GIT_COMMITTER_EMAIL"):
+    if git(cwd, "config", "user.email", check=False).stdout.strip() or os.environ.get("GIT_COMMITTER_EMAIL"):
         return []
     return ["-c", "user.name=detpipe", "-c", "user.email=detpipe@localhost"]
 
@@ -263,7 +260,7 @@ def push_partial(ws: Path, run: Run, logger, training: bool = True) -> str | Non
         return None
     from detpipe.ops.workspace import add_worktree, remove
 
-    baseline = _git(ws, "rev-parse", "HEAD").stdout.strip()
+    baseline = experiments.baseline(ws)
     snap = ws.with_name(ws.name + ".push")
     remove(ws, snap)
     add_worktree(ws, snap, baseline)
@@ -286,7 +283,7 @@ def push_partial(ws: Path, run: Run, logger, training: bool = True) -> str | Non
         run_logged(["git", "add", "-A"], snap, logger)
         run_logged(["git", *_identity(snap), "commit", "-q", "--allow-empty", "-m",
                     f"detpipe: partial run {run.name} ({what}; {_owner(run.run_id)})"], snap, logger)
-        ref = f"refs/exps/{baseline[:2]}/{baseline[2:]}/{run.name}"
+        ref = experiments.experiment_ref(baseline, run.name)
         run_logged(["git", "push", "-q", "--force", run.remotes.git, f"HEAD:{ref}"], snap, logger)
         logger.info("pushed %s as experiment '%s' (%s on %s, data on DVC remote %s)", what, run.name, ref,
                     run.remotes.git_url, run.remotes.dvc_url)

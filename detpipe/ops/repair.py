@@ -44,6 +44,7 @@ import yaml
 
 from detpipe.errors import StageError, run_program
 from detpipe.files import temp_of
+from detpipe.ops.processes import dvc, git
 
 log = logging.getLogger("detpipe.ops.repair")
 
@@ -216,8 +217,7 @@ def _valid_stages(text: str | None, where: str) -> dict:
 
 def _git_head_lock(root: Path) -> str | None:
     try:
-        proc = subprocess.run(["git", "show", "HEAD:./dvc.lock"], cwd=root, capture_output=True, text=True,
-                              timeout=60)
+        proc = git(root, "show", "HEAD:./dvc.lock", check=False, timeout=60)
     except (OSError, subprocess.SubprocessError):
         return None
     return proc.stdout if proc.returncode == 0 else None
@@ -386,9 +386,7 @@ def lock_mismatches(root: Path | str) -> list[str]:
         StageError: ``dvc status`` fails (names its error).
     """
     root = Path(root)
-    dvc = Path(sys.executable).with_name("dvc")
-    proc = subprocess.run([str(dvc) if dvc.exists() else "dvc", "status", "--json"], cwd=root,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(dvc("status", "--json"), cwd=root, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         raise StageError(f"{root}: dvc status failed: {proc.stderr.strip()[-2000:]}")
     found = []

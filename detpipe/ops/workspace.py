@@ -25,7 +25,7 @@ from typing import Iterator
 import yaml
 
 from detpipe.errors import StageError
-from detpipe.ops.processes import dvc, run_logged
+from detpipe.ops.processes import dvc, git, run_logged
 
 RUNS_DIR = ".dvc/tmp/runs"
 
@@ -47,14 +47,10 @@ def resolve_repo(repo: str | os.PathLike, stages: tuple[str, ...]) -> Path:
     found = list((yaml.safe_load(dvc_yaml.read_text()) or {}).get("stages") or {})
     if sorted(found) != sorted(stages):
         raise WorkspaceError(f"{dvc_yaml}: stages {found} differ from the flow's {list(stages)}")
-    if _git(root, "rev-parse", "--verify", "-q", "HEAD", check=False).returncode:
+    if git(root, "rev-parse", "--verify", "-q", "HEAD", check=False).returncode:
         raise WorkspaceError(f"{root}: a run is a DVC experiment, which needs a git commit to start from "
                              "(git init && git add -A && git commit)")
     return root
-
-
-def _git(cwd: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=check)
 
 
 def pipeline_outs(root: Path, cached: bool) -> list[str]:
@@ -72,7 +68,7 @@ def untracked_pipeline_files(root: Path) -> list[str]:
     cached outputs."""
     paths = set(pipeline_outs(root, cached=False))
     paths |= {os.path.join(os.path.dirname(p), ".gitignore") for p in pipeline_outs(root, cached=True)}
-    out = _git(root, "ls-files", "-z", "--others", "--exclude-standard", "--", *sorted(paths)).stdout
+    out = git(root, "ls-files", "-z", "--others", "--exclude-standard", "--", *sorted(paths)).stdout
     return sorted(filter(None, out.split("\0")))
 
 
@@ -84,7 +80,7 @@ def add_worktree(repo: Path, path: Path, rev: str = "HEAD") -> None:
         subprocess.CalledProcessError: git or DVC failed.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
-    _git(repo, "worktree", "add", "--detach", str(path), rev)
+    git(repo, "worktree", "add", "--detach", str(path), rev)
     cache = subprocess.run(dvc("cache", "dir"), cwd=repo, capture_output=True, text=True, check=True).stdout
     subprocess.run(dvc("config", "--local", "cache.dir", str((repo / cache.strip()).resolve())), cwd=path,
                    check=True, capture_output=True)
@@ -93,7 +89,7 @@ def add_worktree(repo: Path, path: Path, rev: str = "HEAD") -> None:
 def _create(root: Path, ws: Path, logger, experiment: str | None, pull: bool) -> None:
     if experiment:
         add_worktree(root, ws, f"{experiment}^")
-        _git(ws, "restore", f"--source={experiment}", "--worktree", "--", ".")
+        git(ws, "restore", f"--source={experiment}", "--worktree", "--", ".")
         logger.info("workspace starts from experiment commit %s (files as `dvc exp apply` leaves them)", experiment)
         run_logged(dvc("pull" if pull else "checkout", "--allow-missing"), ws, logger)
         return
@@ -115,15 +111,15 @@ def experiment_lock(ws: Path):
     (``refs/exps/exec/...``), so two runs saving at once in one repository could swap their experiments."""
     from filelock import FileLock
 
-    common = _git(ws, "rev-parse", "--git-common-dir").stdout.strip()
+    common = git(ws, "rev-parse", "--git-common-dir").stdout.strip()
     return FileLock(str((ws / common).resolve() / "detpipe-exp-save.lock"))
 
 
 def remove(root: Path, ws: Path) -> None:
     """Delete workspace ``ws`` of repository ``root`` (worktree and its files)."""
-    _git(root, "worktree", "remove", "--force", str(ws), check=False)
+    git(root, "worktree", "remove", "--force", str(ws), check=False)
     shutil.rmtree(ws, ignore_errors=True)
-    _git(root, "worktree", "prune", check=False)
+    git(root, "worktree", "prune", check=False)
 
 
 @contextlib.contextmanager

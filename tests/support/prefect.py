@@ -12,7 +12,7 @@ import urllib.request
 from pathlib import Path
 from typing import Iterator
 
-from flows.serve import ZOMBIE_ENV
+from detpipe.ops.deployments import ZOMBIE_ENV
 from support.procs import REPO, free_port, stage_env, stop_group
 
 HEARTBEAT_S = 30       # Prefect's minimum
