@@ -7,6 +7,8 @@ import os
 import signal
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -51,6 +53,38 @@ def _raise_interrupted(signum, frame) -> None:
     raise Interrupted(signum)
 
 
+NUDGE_S = 2.0  # seconds a signal may wait for the main thread before it is sent to that thread itself
+
+
+def _watch_signals() -> None:
+    """Make sure a SIGTERM/SIGINT reaches the main thread. The kernel may deliver a process's signal to any of
+    its threads (numpy, pyarrow and torch start their own); Python then runs the handler only when the main
+    thread next runs Python code, which a blocking call (a socket read with a long timeout) can delay for
+    minutes. A daemon thread reads the signal numbers Python writes to its wakeup fd; if `_raise_interrupted`
+    (still the installed handler: torchrun's agent installs its own while it runs) has not run `NUDGE_S`
+    seconds later, it sends the signal to the main thread itself (``pthread_kill``), interrupting the call.
+    Must be called from the main thread; a no-op elsewhere."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    main_id = threading.main_thread().ident
+
+    def loop() -> None:
+        while True:
+            try:
+                data = os.read(r, 64)
+            except OSError:
+                return
+            for signum in sorted(set(data) & {signal.SIGTERM, signal.SIGINT}):
+                time.sleep(NUDGE_S)
+                if _received is None and signal.getsignal(signum) is _raise_interrupted:
+                    signal.pthread_kill(main_id, signum)
+
+    threading.Thread(target=loop, name="signal-to-main-thread", daemon=True).start()
+
+
 def _signal_of(e: BaseException) -> int | None:
     """The signal number of an interrupt: ours, Ctrl-C's, or torchrun's ``SignalException`` (its agent
     installs its own handlers while workers run; it stops them with the same signal, then raises)."""
@@ -83,6 +117,7 @@ def run_program(main: Callable[[], None], stage: str | None = None) -> None:
                         stream=sys.stderr)
     for s in (signal.SIGTERM, signal.SIGINT):
         signal.signal(s, _raise_interrupted)
+    _watch_signals()
     worker = "LOCAL_RANK" in os.environ
     note = None
     if not worker:

@@ -26,6 +26,7 @@ import yaml
 
 from detpipe.ops import remotes as rm
 from detpipe.ops import workspace
+from support.procs import run as run_cmd
 
 REPO = Path(__file__).resolve().parent.parent
 CKPT_RE = re.compile(r"^ckpt-(\d{7})\.pt$")
@@ -104,7 +105,7 @@ def snapshot_problems(linked: list[str], folder: Path) -> list[str]:
 
 
 def git(cwd: Path, *args: str) -> str:
-    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, check=True).stdout
+    return run_cmd(["git", *args], cwd).stdout
 
 
 def remote_sha(origin: Path, ref: str) -> str | None:
@@ -300,17 +301,17 @@ def team(tmp_path_factory):
         for cmd in (["git", "init", "-q", "-b", "main"], [*dvc, "init", "-q"],
                     [*dvc, "remote", "add", "-d", "team", str(storage)],
                     ["git", "init", "-q", "--bare", str(origin)], ["git", "remote", "add", "origin", str(origin)]):
-            subprocess.run(cmd, cwd=ws, check=True, capture_output=True)
+            run_cmd(cmd, ws)
         (ws / "dvc.yaml").write_text(DVC_YAML)
         (ws / "params.yaml").write_text("train:\n  lr: 0.01\n")
         (ws / "prepare.py").write_text(PREPARE)
         (ws / "train.py").write_text("raise SystemExit('not run here')\n")
-        subprocess.run([*dvc, "repro", "-q", "prepare"], cwd=ws, check=True, capture_output=True)
-        subprocess.run(["git", "add", "-A"], cwd=ws, check=True)
-        subprocess.run(["git", "commit", "-qm", "baseline"], cwd=ws, check=True)
-        run = rm.Run(rm.check(ws), "race", "run-0123")
-        assert run.remotes.dvc_url == str(storage)
-        yield Team(ws, origin, run)
+        run_cmd([*dvc, "repro", "-q", "prepare"], ws)
+        run_cmd(["git", "add", "-A"], ws)
+        run_cmd(["git", "commit", "-qm", "baseline"], ws)
+        flow_run = rm.Run(rm.check(ws), "race", "run-0123")
+        assert flow_run.remotes.dvc_url == str(storage)
+        yield Team(ws, origin, flow_run)
 
 
 def test_push_partial_while_training_prunes(team):

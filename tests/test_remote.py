@@ -30,26 +30,12 @@ import yaml
 
 from support.pipeline import write_params
 from support.procs import REPO, stage_env
-from support.procs import free_ports
+from support.procs import free_ports, run
 from support.s3server import S3Server, log_tail, stop, weed_binary
 from support.repos import clone_with_cache, copy_repo
 
 # An error must come back well within this (the committed remote config bounds connect and read timeouts).
 ERROR_BOUND_S = 60.0
-
-
-def run(cmd: list[str], cwd: Path, env: dict | None = None, check: bool = True, timeout: float = 900,
-        drop: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-    """Run ``cmd`` in ``cwd`` with `stage_env` + a git identity + ``env``, minus the variables in ``drop``."""
-    full = {**stage_env(), "DVC_NO_ANALYTICS": "1", "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@localhost",
-            "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@localhost", **(env or {})}
-    for key in drop:
-        full.pop(key, None)
-    proc = subprocess.run(cmd, cwd=cwd, env=full, capture_output=True, text=True, timeout=timeout)
-    if check:
-        assert proc.returncode == 0, (f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
-                                      f"{proc.stderr[-3000:]}")
-    return proc
 
 
 def out_paths(repo: Path) -> list[str]:

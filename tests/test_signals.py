@@ -50,3 +50,38 @@ def test_download_interrupted_mid_fetch(tmp_path, stalling_server, sig):
     assert errors == [f"error: interrupted by {sig.name} in stage download"], stderr[-2000:]
     raw = tmp_path / "data" / "raw"
     assert not raw.exists() or not any(raw.iterdir())  # nothing half-fetched left behind
+
+
+PROBE = """
+import signal, socket, sys, threading, time
+from detpipe.errors import run_program
+
+
+def main():
+    srv = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(srv.getsockname())
+    conn, _ = srv.accept()                          # connected; nothing will ever be sent
+
+    def other():                                    # the kernel may hand the process's SIGTERM to this thread
+        time.sleep(1)                               # once the main thread blocks in recv
+        signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
+        time.sleep(300)
+    threading.Thread(target=other, daemon=True).start()
+    client.settimeout(120)
+    client.recv(1)                                  # the main thread blocks here, as in a stalled download
+
+
+run_program(main, stage="probe")
+"""
+
+
+def test_signal_delivered_to_another_thread_still_stops_the_stage(tmp_path):
+    """A SIGTERM that the kernel delivers to another thread (numpy, pyarrow and torch start threads) while the
+    main thread blocks in a socket read with a long timeout: the stage still stops within seconds with the one
+    line and status 143 (before `detpipe.errors` sent it on to the main thread it waited out the read's 120 s:
+    the download test above timed out so once in a full run)."""
+    proc = subprocess.run([sys.executable, "-c", PROBE], cwd=tmp_path, env=stage_env(), capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == "error: interrupted by SIGTERM in stage probe", proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -111,7 +111,7 @@ def test_kill9_and_sigterm_resume_is_bit_identical(cached_workdir, tmp_path):
     assert torch.load(newest, weights_only=True)["iter"] == int(m.group(3)) < final_iter
     assert not list((killed / "checkpoints").glob(".ckpt-*"))  # no half-written file left
     # progress lines from the start of training on, never more than log_every_s + the slowest step apart
-    start = _stamp(re.search(r"^(\S+ \S+) detpipe\.trainer INFO rank 0/1 .* iterations \d+\.\.", stderr, re.M)[1])
+    start = _stamp(re.search(r"^(\S+ \S+) detpipe\.engine\.trainer INFO rank 0/1 .* iterations \d+\.\.", stderr, re.M)[1])
     lines = _PROGRESS.findall(stderr)
     assert all(total == str(final_iter) for _, _, total in lines)
     step_times = [float(r["step_time"]) for r in csv.DictReader(

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from support.procs import REPO, stage_env
+from support.procs import REPO, run, stage_env
 
 COCO128 = REPO / "data" / "coco128"
 
@@ -25,12 +25,9 @@ TINY_PARAMS = {
 
 
 def stage_cli(name: str, cwd: Path, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:
-    """Run ``python -m stages.<name>`` in ``cwd``; on unexpected failure show its stderr."""
-    proc = subprocess.run([sys.executable, "-m", f"stages.{name}"], cwd=cwd, env=stage_env(),
-                          capture_output=True, text=True, timeout=timeout)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"stages.{name} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    return proc
+    """Run ``python -m stages.<name>`` in ``cwd`` (`support.procs.run`: with ``check``, a failure shows its
+    output)."""
+    return run([sys.executable, "-m", f"stages.{name}"], cwd, check=check, timeout=timeout)
 
 
 def write_params(workdir: Path, overrides: dict | None = None) -> dict:
