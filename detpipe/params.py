@@ -6,11 +6,11 @@ cache is exact.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional, Union
 
 from ruamel.yaml import YAML
 from ruamel.yaml.error import YAMLError
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator, model_validator
 
 from detpipe.errors import StageError
 
@@ -21,14 +21,73 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+SHA256_PATTERN = r"^[0-9a-f]{64}$"
+
+
+class DownloadPart(_Section):
+    """One part of a dataset that comes in several (``download.source`` as a list)."""
+
+    url: str = Field(description="Local path or fsspec URL of this part: a folder, a .zip/.tar[.gz|.bz2|.xz] archive (extracted into data/raw beside the other parts) or one file.")
+    sha256: Optional[str] = Field(default=None, pattern=SHA256_PATTERN, description="Hex sha256 of this part as fetched (the archive or file bytes, or a folder's manifest: python -m stages.download --print-sha256 URL); null skips the check.")
+
+
+# The JSON schema of download.source written out inline: the Prefect deployment's ``overrides`` schema takes each
+# key's schema on its own (`detpipe.ops.overrides.json_schema`), where a $ref to DownloadPart would dangle.
+_SOURCE_SCHEMA = {"anyOf": [
+    {"type": "string"},
+    {"type": "array", "minItems": 1, "items": {"anyOf": [
+        {"type": "string"},
+        {"type": "object", "additionalProperties": False, "required": ["url"], "properties": {
+            "url": {"type": "string"},
+            "sha256": {"anyOf": [{"type": "string", "pattern": SHA256_PATTERN}, {"type": "null"}]}}}]}}]}
+
+
 class Download(_Section):
-    source: str = Field(description='Local path or fsspec URL (folder, .zip/.tar[.gz|.bz2|.xz] archive, or one file) copied into data/raw.')
-    sha256: Optional[str] = Field(default=None, pattern=r"^[0-9a-f]{64}$", description="Hex sha256 of the fetched file, or of a folder's manifest (python -m stages.download --print-sha256); null skips the check.")
-    retries: int = Field(default=3, ge=0, description='Retries of transient network errors (connection, timeouts, 408/429/5xx), exponential backoff 1 s .. 60 s.')
+    source: Annotated[Union[str, list[DownloadPart]], WithJsonSchema(_SOURCE_SCHEMA)] = Field(description='Local path or fsspec URL (folder, .zip/.tar[.gz|.bz2|.xz] archive, or one file) copied into data/raw; or a list of parts, each {url, sha256} (a plain string item is {url: item, sha256: null}), all fetched, checked and merged into the one data/raw (a path two parts hold with different bytes is an error).')
+    sha256: Optional[str] = Field(default=None, pattern=SHA256_PATTERN, description="Hex sha256 of the fetched file, or of a folder's manifest (python -m stages.download --print-sha256); null skips the check. Must be null when source is a list (each part has its own).")
+    retries: int = Field(default=3, ge=0, description='Retries of transient network errors (connection, timeouts, 408/425/429/5xx), exponential backoff 1 s .. 60 s.')
     timeout_s: float = Field(default=60, gt=0, description='Seconds a connect or read may stall before it counts as a transient error.')
     endpoint_url: Optional[str] = Field(default=None, description='S3-compatible endpoint (SeaweedFS, MinIO) for s3:// sources; credentials only from the environment / AWS config.')
-    max_extract_bytes: int = Field(default=64 * 10**9, gt=0, description='Largest size an archive may extract to, in bytes (its entries\' declared sizes; also never more than the free disk space).')
+    max_extract_bytes: int = Field(default=64 * 10**9, gt=0, description='Largest size an archive (each part\'s, with a list) may extract to, in bytes (its entries\' declared sizes; also never more than the free disk space).')
     max_compression_ratio: float = Field(default=200, gt=0, description='Largest extracted size / archive size; beyond it the archive is refused as a likely zip bomb.')
+
+    @field_validator("source", mode="before")
+    @classmethod
+    def _parts(cls, v):
+        """A list: each item validated as a `DownloadPart` (a string is its url), errors naming the part's index
+        (0-based) and key, rather than the union's two alternatives."""
+        if not isinstance(v, list):
+            return v
+        parts = []
+        for i, item in enumerate(v):
+            try:
+                parts.append(DownloadPart.model_validate({"url": item} if isinstance(item, str) else item))
+            except ValidationError as e:
+                err = e.errors()[0]
+                key = ".".join(str(p) for p in err["loc"])
+                raise ValueError(f"part {i}: {key + ': ' if key else ''}{err['msg']} (got {err.get('input')!r})") \
+                    from None
+        return parts
+
+    @model_validator(mode="after")
+    def _one_hash_per_part(self):
+        if isinstance(self.source, list):
+            if not self.source:
+                raise ValueError("source: an empty list names no data; give a path/URL or at least one part")
+            if self.sha256 is not None:
+                raise ValueError("sha256 must be null when source is a list: give each part its own sha256")
+            urls = [p.url for p in self.source]
+            repeated = sorted({u for u in urls if urls.count(u) > 1})
+            if repeated:
+                raise ValueError(f"source lists the same part twice: {repeated[0]}")
+        return self
+
+    @property
+    def parts(self) -> list[DownloadPart]:
+        """The sources as a list: one part ``{source, sha256}`` for the single-string form."""
+        if isinstance(self.source, str):
+            return [DownloadPart(url=self.source, sha256=self.sha256)]
+        return list(self.source)
 
 
 class Convert(_Section):

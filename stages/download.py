@@ -1,7 +1,8 @@
 """Download stage: fetch the raw dataset into ``data/raw/`` (``python -m stages.download``).
 
 The source (params ``download.source``) is a folder, an archive or a file, local or ``file://``/``s3://``/
-``http(s)://``; it is checked against ``download.sha256`` and written atomically. The work is
+``http(s)://``, or a list of such parts each with its own sha256, merged into one ``data/raw``; it is checked
+against its sha256 and written atomically. The work is
 `detpipe.data.download.download_raw` (its module docstring says how). ``--print-sha256 SOURCE`` prints the value
 for ``download.sha256`` instead (`detpipe.data.download.print_sha256`).
 """

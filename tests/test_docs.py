@@ -13,6 +13,7 @@ import io
 import re
 import shlex
 import sys
+import typing
 from pathlib import Path
 
 import pytest
@@ -274,6 +275,21 @@ def test_readme_is_a_landing_page():
     assert len((REPO / "README.md").read_text().splitlines()) <= 250
 
 
+def _nested_models(model) -> list[type]:
+    """The pydantic models inside ``model``'s field types (``list[DownloadPart]`` -> DownloadPart), recursively."""
+    from pydantic import BaseModel
+
+    found, todo = [], [info.annotation for info in model.model_fields.values()]
+    while todo:
+        tp = todo.pop()
+        if isinstance(tp, type) and issubclass(tp, BaseModel):
+            found.append(tp)
+            todo.extend(info.annotation for info in tp.model_fields.values())
+        else:
+            todo.extend(typing.get_args(tp))
+    return found
+
+
 def test_params_reference_lists_every_key():
     """docs/params.md has a table row for every key of every params section, under that section's heading."""
     from detpipe.params import Params
@@ -283,9 +299,12 @@ def test_params_reference_lists_every_key():
     for section, field in Params.model_fields.items():
         assert section in sections, f"docs/params.md has no section {section}"
         rows = set(re.findall(r"^\| `(\w+)` \|", sections[section], re.M))
-        missing = set(field.annotation.model_fields) - rows
+        keys = set(field.annotation.model_fields)
+        for nested in _nested_models(field.annotation):   # e.g. download.source's parts {url, sha256}
+            keys |= set(nested.model_fields)
+        missing = keys - rows
         assert not missing, f"docs/params.md, {section}: no row for {sorted(missing)}"
-        stale = rows - set(field.annotation.model_fields)
+        stale = rows - keys
         assert not stale, f"docs/params.md, {section}: rows for keys that do not exist: {sorted(stale)}"
 
 
@@ -297,3 +316,37 @@ def test_rules_reference_lists_every_rule():
     errors = (REPO / "docs" / "errors.md").read_text()
     assert [r for r in RULES if f"`{r}`" not in convert] == []
     assert [r for r in ERRORS if f"`{r}`" not in errors] == []
+
+
+def params_snippet_problems(text: str) -> list[str]:
+    """Problems of the ``yaml`` fenced blocks of a page that hold params.yaml sections: each section must validate
+    against its schema (`detpipe.params`; keys left out take their defaults)."""
+    from pydantic import ValidationError
+    from ruamel.yaml import YAML
+
+    from detpipe.params import Params
+
+    found = []
+    for block in re.findall(r"^```yaml\n(.*?)^```", text, re.M | re.S):
+        doc = YAML(typ="safe", pure=True).load(block)
+        for section, value in (doc.items() if isinstance(doc, dict) else []):
+            if section not in Params.model_fields:
+                found.append(f"yaml block: {section!r} is not a params.yaml section")
+                continue
+            try:
+                Params.model_fields[section].annotation.model_validate(value)
+            except ValidationError as e:
+                err = e.errors()[0]
+                found.append(f"yaml block: {section}.{'.'.join(map(str, err['loc']))}: {err['msg']}")
+    return found
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(REPO).as_posix())
+def test_params_snippets_validate(page):
+    assert params_snippet_problems(page.read_text()) == []
+
+
+def test_a_wrong_params_snippet_is_reported():
+    text = "```yaml\ndownload:\n  source: [{url: a.zip, sha: 0}]\nconvert:\n  annotation: a.json\n  images: x\n```\n"
+    found = params_snippet_problems(text)
+    assert len(found) == 2 and "download.source" in found[0] and "convert.annotation" in found[1], found

@@ -24,7 +24,8 @@ import yaml
 from detpipe.errors import StageError
 from detpipe.data.fetch import extract, fetch, http_fetch
 from detpipe.files import folder_sha256
-from detpipe.data.download import download
+from detpipe.data.download import download, download_parts, download_raw
+from detpipe.params import Download, DownloadPart, load
 from support.procs import run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -417,6 +418,19 @@ def _assert_one_error_line(stderr: str) -> str:
     return errors[0]
 
 
+def _run_failing(work: Path) -> str:
+    """Run the stage in ``work`` over a previous data/raw (one file): it must fail with exit status 2 and one
+    error line (returned), leave that data/raw as it was, and leave no temporary beside it."""
+    raw = work / "data" / "raw"
+    raw.mkdir()
+    (raw / "old.txt").write_text("previous")
+    res = _run(work)
+    assert res.returncode == 2, res.stderr
+    line = _assert_one_error_line(res.stderr)
+    assert [p.name for p in raw.iterdir()] == ["old.txt"] and _leftovers(work / "data") == []
+    return line
+
+
 def test_stage_default_params_copy_embedded_dataset(tmp_path):
     work = _workdir(tmp_path)                              # the repo's params.yaml as it is
     res = _run(work)
@@ -430,15 +444,8 @@ def test_stage_default_params_copy_embedded_dataset(tmp_path):
 
 
 def test_stage_failure_is_one_error_line_and_keeps_old_output(tmp_path):
-    work = _workdir(tmp_path, sha256="1" * 64)
-    raw = work / "data" / "raw"
-    raw.mkdir()
-    (raw / "old.txt").write_text("previous")
-    res = _run(work)
-    assert res.returncode == 2
-    line = _assert_one_error_line(res.stderr)
+    line = _run_failing(_workdir(tmp_path, sha256="1" * 64))
     assert "data/coco128" in line and "1" * 64 in line and _manifest_sha(COCO) in line
-    assert [p.name for p in raw.iterdir()] == ["old.txt"] and _leftovers(work / "data") == []
 
 
 def test_stage_http_404_subprocess(tmp_path, http_server):
@@ -509,3 +516,111 @@ def test_stage_max_extract_bytes(tmp_path):
     ok.mkdir()
     assert extract(archive, ok, max_bytes=total) == len(files)
     _assert_tree(ok, files)                                # at the limit: extracted, top-level folder kept
+
+
+# --------------------------------------------------------------------------------------------- several parts
+
+def _coco2017_parts(www: Path) -> tuple[list[tuple[str, str]], dict[str, bytes]]:
+    """COCO 2017's three official archives in miniature, from real COCO128 files under their real names:
+    ``train2017.zip`` (train2017/ images), ``val2017.tar.gz`` (val2017/ images, a tar to mix the kinds) and
+    ``annotations_trainval2017.zip`` (annotations/). Returns ([(file name, sha256)], every extracted file)."""
+    imgs = sorted((COCO / "train2017").glob("*.jpg"))
+    ann = (COCO / "annotations" / "instances_train2017.json").read_bytes()
+    trees = {"train2017.zip": {f"train2017/{p.name}": p.read_bytes() for p in imgs[:4]},
+             "val2017.tar.gz": {f"val2017/{p.name}": p.read_bytes() for p in imgs[4:6]},
+             "annotations_trainval2017.zip": {"annotations/instances_train2017.json": ann,
+                                              "annotations/instances_val2017.json": ann[: len(ann) // 3]}}
+    parts = []
+    for name, files in trees.items():
+        data = (_zip if name.endswith(".zip") else _tar_gz)(www / name, files)
+        parts.append((name, _sha(data)))
+    return parts, {k: v for files in trees.values() for k, v in files.items()}
+
+
+def test_parts_over_http_one_cut_off_resumed_and_merged(tmp_path, http_server):
+    """``download.source`` as a list of three archives with their sha256s (a plain string item too): the first is
+    cut off mid-transfer on its first request and resumed with a Range request from the byte where the cut fell;
+    all three are checked, extracted and merged into the one data/raw; nothing is left beside it."""
+    parts, files = _coco2017_parts(http_server.root)
+    (train, train_sha), (val, val_sha), (ann, ann_sha) = parts
+    url = http_server.url
+    cfg = Download(source=[{"url": f"{url}/drop/{train}", "sha256": train_sha},
+                           {"url": f"{url}/{val}", "sha256": val_sha}, f"{url}/{ann}"], timeout_s=5)
+    out = tmp_path / "raw"
+    assert download_raw(cfg, out) == [train_sha, val_sha, ann_sha]
+    _assert_tree(out, files)
+    cut = f"/drop/{train}"
+    assert http_server.log == [(cut, None), (cut, f"bytes={http_server.sent[cut]}-"), (f"/{val}", None),
+                               (f"/{ann}", None)]
+    assert 0 < http_server.sent[cut] < (http_server.root / train).stat().st_size
+    assert _leftovers(tmp_path) == []
+
+
+def test_stage_wrong_sha256_of_one_part_names_it_and_keeps_data_raw(tmp_path, http_server):
+    """The stage with COCO 2017's params in miniature, the second part's sha256 wrong: one error line naming that
+    part (its index in params and its URL) with both hashes; the third part is never fetched; data/raw as it was.
+    With the right hash the same params download all three."""
+    parts, files = _coco2017_parts(http_server.root)
+    wrong = "e" * 64
+    source = [{"url": f"{http_server.url}/{name}", "sha256": wrong if i == 1 else sha}
+              for i, (name, sha) in enumerate(parts)]
+    line = _run_failing(_workdir(tmp_path, source=source, sha256=None))
+    assert f"download.source[1] {http_server.url}/val2017.tar.gz: sha256 mismatch" in line, line
+    assert wrong in line and parts[1][1] in line
+    assert [p for p, _ in http_server.log] == ["/train2017.zip", "/val2017.tar.gz"]
+    source[1]["sha256"] = parts[1][1]
+    work = _workdir(tmp_path / "again", source=source, sha256=None)
+    res = _run(work)
+    assert res.returncode == 0, res.stderr
+    _assert_tree(work / "data" / "raw", files)
+
+
+@pytest.mark.parametrize("clash", ["same bytes", "different bytes", "file and folder"])
+def test_parts_holding_the_same_path(tmp_path, clash):
+    """Two parts (a tar.gz and a zip, read in place) with one path in common: the same bytes are kept once; a
+    file with different bytes, or a file where the other part has a folder, fails naming the path and both
+    parts, and the output stays as it was."""
+    first = {"annotations/instances_train2017.json": b'{"images": []}', "train2017/a.jpg": IMAGES[0].read_bytes()}
+    second = {"val2017/b.jpg": IMAGES[1].read_bytes(),
+              "same bytes": {"annotations/instances_train2017.json": b'{"images": []}'},
+              "different bytes": {"annotations/instances_train2017.json": b'{"images": [1]}'},
+              "file and folder": {"train2017/a.jpg/x.jpg": b"x"}}[clash]
+    second = {"val2017/b.jpg": IMAGES[1].read_bytes(), **second}
+    a, b = tmp_path / "a.tar.gz", tmp_path / "b.zip"
+    _tar_gz(a, first), _zip(b, second)
+    out = tmp_path / "raw"
+    if clash == "same bytes":
+        download_parts([(str(a), None), (str(b), None)], out)
+        _assert_tree(out, {**first, **second})
+        return
+    out.mkdir()
+    (out / "old.txt").write_text("previous")
+    with pytest.raises(StageError) as e:
+        download_parts([(str(a), None), (str(b), None)], out)
+    msg = str(e.value)
+    path = "annotations/instances_train2017.json" if clash == "different bytes" else "train2017/a.jpg"
+    assert f"download.source[1] {b}" in msg and f"download.source[0] {a}" in msg and f"'{path}'" in msg, msg
+    assert ("different bytes" if clash == "different bytes" else "a file in one and a folder") in msg
+    assert [p.name for p in out.iterdir()] == ["old.txt"] and _leftovers(tmp_path) == []
+
+
+def test_download_params_accept_a_list_of_parts(tmp_path):
+    """params.yaml: the single-string form as before; a list of {url, sha256} and plain strings; refused with one
+    line naming the key: a top-level sha256 beside a list, a part's malformed sha256 (by index), an empty list."""
+    def check(download: dict):
+        path = tmp_path / "params.yaml"
+        params = yaml.safe_load((REPO / "params.yaml").read_text())
+        params["download"] = download
+        path.write_text(yaml.safe_dump(params))
+        return load("download", path)
+
+    assert check({"source": "data/coco128"}).parts == [DownloadPart(url="data/coco128")]
+    cfg = check({"source": ["a.zip", {"url": "s3://b/c.tar", "sha256": "a" * 64}]})
+    assert cfg.parts == [DownloadPart(url="a.zip"), DownloadPart(url="s3://b/c.tar", sha256="a" * 64)]
+    for bad, words in [({"source": ["a.zip"], "sha256": "a" * 64}, "sha256 must be null when source is a list"),
+                       ({"source": ["a.zip", {"url": "b.zip", "sha256": "XYZ"}]}, "part 1: sha256"),
+                       ({"source": ["a.zip", {"url": "b.zip", "md5": "0"}]}, "part 1: md5"),
+                       ({"source": []}, "empty list")]:
+        with pytest.raises(StageError) as e:
+            check(bad)
+        assert "key 'download" in str(e.value) and words in str(e.value), str(e.value)
