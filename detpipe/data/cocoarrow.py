@@ -1,13 +1,17 @@
 """COCO image records -> validated rows -> Arrow IPC shard files (the convert stage's worker side).
 
-One `ShardTask` is a run of consecutive images of one split (`plan_shards`); `convert_shard` reads each image
-file, checks it (`detpipe.data.imageio.inspect`), applies the annotation rules (`detpipe.data.coco.clean_annotations`),
-maps annotations to the displayed frame where EXIF orientation asks for it (`detpipe.data.geometry`) and writes the
-rows as record batches of at most `BATCH_BYTES` image bytes. It runs in a worker process (or in-process).
+One `ShardTask` is a run of consecutive images of one split (`plan_shards`, from the split's
+`detpipe.data.coco.ImageTable`); `convert_shard` reads each image's annotations (their JSON text, from the
+annotation file) and its file, hashes the file (SHA-1: a val image equal to a kept train image is dropped,
+`train_copy`), checks it (`detpipe.data.imageio.inspect`), applies the annotation rules
+(`detpipe.data.coco.clean_annotations`), maps annotations to the displayed frame where EXIF orientation asks for it
+(`detpipe.data.geometry`) and writes the rows as record batches of at most `BATCH_BYTES` image bytes. It runs in a
+worker process (or in-process) and holds one image's annotations and one record batch at a time.
 """
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -18,7 +22,7 @@ import numpy as np
 import orjson
 import pyarrow as pa
 
-from detpipe.data.coco import Entry, Frame, Report, clean_annotations, to_rle
+from detpipe.data.coco import Entry, Frame, ImageTable, Report, clean_annotations, to_rle
 from detpipe.data.geometry import orient_box, orient_segmentation
 from detpipe.data.imageio import Unreadable, inspect
 
@@ -50,8 +54,22 @@ _OBJECT_COLUMNS = ("ann_id", "bbox", "category_id", "label", "iscrowd", "area", 
 
 
 @dataclasses.dataclass
+class LeakCheck:
+    """Where a val shard finds the train images that were kept (written by `write_leak_check`): ``folder`` holds
+    ``keys.npy`` (int64, ascending: the first 8 bytes of each image's SHA-1), ``rows.npy`` ((n, 3) int64: image
+    id, start and end of its file name in ``names.npy``, uint8 UTF-8) in the same order; names are relative to
+    ``images_dir``."""
+    folder: str
+    images_dir: str
+
+
+@dataclasses.dataclass
 class ShardTask:
-    """One shard to write: ``items`` (`detpipe.data.coco.Entry`) of ``split`` into ``out_path``."""
+    """One shard to write: the images ``rows`` (rows of the split's `detpipe.data.coco.ImageTable`, ascending id)
+    of ``split`` into ``out_path``. Per image: ``image_ids`` (int64), ``file_names``, ``widths``/``heights`` (int32,
+    pixels, as in the JSON) and ``ann_counts``; its annotations are the next ``ann_counts[k]`` JSON texts at
+    (``ann_starts``, ``ann_lengths``) bytes of ``ann_source``, parsed with orjson if ``fast_json`` (the file parsed
+    with orjson: orjson.dumps then also reproduces its values exactly), else Python's json. ``leak``: val only."""
     split: str
     index: int
     out_path: str
@@ -59,13 +77,23 @@ class ShardTask:
     ann_file: str
     labels: dict          # category id -> label
     strict: bool
-    fast_json: bool       # the file parsed with orjson: orjson.dumps reproduces its values exactly
-    items: list
+    fast_json: bool
+    rows: np.ndarray
+    image_ids: np.ndarray
+    file_names: list
+    widths: np.ndarray
+    heights: np.ndarray
+    ann_counts: np.ndarray
+    ann_source: str
+    ann_starts: np.ndarray
+    ann_lengths: np.ndarray
+    leak: LeakCheck | None = None
 
 
 @dataclasses.dataclass
 class ShardResult:
-    """What `convert_shard` wrote: counts of images in / rows out, annotations, image bytes, findings."""
+    """What `convert_shard` wrote: counts of images in / rows out, annotations, image bytes, findings, and per row
+    written its table row and the first 8 bytes of its file's SHA-1 as int64 (``keys``)."""
     split: str
     index: int
     out_path: str | None  # None: every image of the shard was dropped, no file written
@@ -74,6 +102,8 @@ class ShardResult:
     annotations: int
     image_bytes: int
     report: Report
+    rows_out: np.ndarray
+    keys: np.ndarray
 
 
 class _Batch:
@@ -177,10 +207,55 @@ def _orienter(width: int, height: int, orientation: int):
     return orient
 
 
-def convert_image(entry: Entry, task: ShardTask, report: Report, batch: _Batch) -> tuple[dict, int] | None:
+def image_key(data: bytes | memoryview) -> int:
+    """The first 8 bytes of the SHA-1 of ``data`` as a little-endian int64 (equal bytes give equal keys; equal keys
+    are confirmed byte by byte before two files are called equal)."""
+    return int.from_bytes(hashlib.sha1(data).digest()[:8], "little", signed=True)
+
+
+def load_leak_check(leak: LeakCheck) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The arrays of ``leak`` (memory-mapped): keys, rows, names."""
+    return tuple(np.load(os.path.join(leak.folder, f"{name}.npy"), mmap_mode="r") for name in ("keys", "rows", "names"))
+
+
+def train_copy(leak: LeakCheck, tables: tuple, key: int, data: memoryview) -> tuple[int, str] | None:
+    """``(image id, path)`` of a kept train image whose file holds exactly ``data`` (`image_key` ``key``), or None
+    (also when that train file cannot be read any more: equality not confirmed). ``tables``: `load_leak_check`."""
+    keys, rows, names = tables
+    k = int(np.searchsorted(keys, key))
+    while k < len(keys) and keys[k] == key:
+        image_id, start, end = rows[k].tolist()
+        path = os.path.join(leak.images_dir, bytes(names[start:end]).decode())
+        try:
+            with open(path, "rb") as f:
+                if f.read() == data:
+                    return image_id, path
+        except OSError:
+            pass
+        k += 1
+    return None
+
+
+def write_leak_check(folder: Path, table: ImageTable, rows: np.ndarray, keys: np.ndarray, images_dir: Path) \
+        -> LeakCheck:
+    """Write the `LeakCheck` of the kept train images (``rows`` of ``table`` with SHA-1 keys ``keys``) into the new
+    folder ``folder``."""
+    folder.mkdir()
+    order = np.argsort(keys, kind="stable")
+    rows = rows[order]
+    pos = table.pos[rows]
+    ends = np.frombuffer(table.cols.name_ends, np.int64)
+    np.save(folder / "keys.npy", keys[order])
+    np.save(folder / "rows.npy", np.stack([table.ids[rows], ends[pos], ends[pos + 1]], axis=1))
+    np.save(folder / "names.npy", np.frombuffer(table.cols.names, np.uint8))
+    return LeakCheck(str(folder), str(images_dir))
+
+
+def convert_image(entry: Entry, task: ShardTask, report: Report, batch: _Batch, train: tuple | None = None) \
+        -> tuple[dict, int, int] | None:
     """Validate one image and its annotations (the file is read into ``batch``'s buffer); return its Arrow row
-    (a dict of the `SCHEMA` columns but ``image``) and its byte count for `_Batch.add`, or None if the image is
-    dropped (counted in ``report``)."""
+    (a dict of the `SCHEMA` columns but ``image``), its byte count for `_Batch.add` and its `image_key`, or None
+    if the image is dropped (counted in ``report``). ``train``: `load_leak_check` of ``task.leak`` (val)."""
     split, iid = task.split, entry.image_id
     path = os.path.join(task.images_dir, entry.file_name)
     record = f"image id {iid}"
@@ -193,6 +268,13 @@ def convert_image(entry: Entry, task: ShardTask, report: Report, batch: _Batch) 
     except OSError as e:
         report.add("image_unreadable", split, path, record, f"cannot read ({e.strerror or e})" + tail)
         return None
+    key = image_key(data)
+    if train is not None:
+        copy = train_copy(task.leak, train, key, data)
+        if copy is not None:
+            report.add("val_image_in_train", split, path, record,
+                       f"same bytes as train image id {copy[0]} ({copy[1]})" + tail)
+            return None
     try:
         info = inspect(data)
     except Unreadable as e:
@@ -226,7 +308,20 @@ def convert_image(entry: Entry, task: ShardTask, report: Report, batch: _Batch) 
     if not kept:
         why = "no annotations in the JSON" if not entry.anns else f"all {len(entry.anns)} annotation(s) dropped"
         report.add("image_no_annotations", split, path, record, f"{why}; kept as a negative")
-    return {"image_id": iid, "file_name": entry.file_name, "width": shown[0], "height": shown[1], **objs}, len(data)
+    return ({"image_id": iid, "file_name": entry.file_name, "width": shown[0], "height": shown[1], **objs},
+            len(data), key)
+
+
+def entries(task: ShardTask) -> Iterator[Entry]:
+    """The task's images in order, each with its annotations read from ``task.ann_source`` (one at a time)."""
+    parse = orjson.loads if task.fast_json else json.loads
+    starts, lengths = task.ann_starts.tolist(), task.ann_lengths.tolist()
+    with open(task.ann_source, "rb", buffering=0) as f:
+        fd, j = f.fileno(), 0
+        for k, count in enumerate(task.ann_counts.tolist()):
+            anns = [parse(os.pread(fd, n, s)) for s, n in zip(starts[j:j + count], lengths[j:j + count])]
+            j += count
+            yield Entry(int(task.image_ids[k]), task.file_names[k], int(task.widths[k]), int(task.heights[k]), anns)
 
 
 def convert_shard(task: ShardTask) -> ShardResult:
@@ -240,15 +335,19 @@ def convert_shard(task: ShardTask) -> ShardResult:
     writer = None
     batch = _Batch()
     rows = anns = nbytes = 0
+    n = len(task.image_ids)
+    rows_out, keys = [], []
+    train = None if task.leak is None else load_leak_check(task.leak)
     try:
-        for entry in task.items:
-            got = convert_image(entry, task, report, batch)
+        for k, entry in enumerate(entries(task)):
+            got = convert_image(entry, task, report, batch, train)
             if got is not None:
-                row, size = got
+                row, size, key = got
                 batch.add(row, size)
                 rows, anns, nbytes = rows + 1, anns + len(row["ann_id"]), nbytes + size
-            last = entry is task.items[-1]
-            if batch.rows and (last or batch.nbytes >= BATCH_BYTES or batch.rows >= BATCH_ROWS):
+                rows_out.append(int(task.rows[k]))
+                keys.append(key)
+            if batch.rows and (k == n - 1 or batch.nbytes >= BATCH_BYTES or batch.rows >= BATCH_ROWS):
                 if writer is None:
                     writer = pa.ipc.new_file(task.out_path, SCHEMA)
                 writer.write_batch(batch.record_batch())
@@ -257,38 +356,55 @@ def convert_shard(task: ShardTask) -> ShardResult:
         batch.release()
         if writer is not None:
             writer.close()
-    return ShardResult(task.split, task.index, task.out_path if writer is not None else None, len(task.items),
-                       rows, anns, nbytes, report)
+    return ShardResult(task.split, task.index, task.out_path if writer is not None else None, n, rows, anns,
+                       nbytes, report, np.array(rows_out, np.int64), np.array(keys, np.int64))
 
 
-def plan_shards(split: str, entries: list[Entry], images_dir: Path, out_dir: Path, ann_file: Path,
-                fast_json: bool, labels: dict, shard_mb: float, strict: bool) -> Iterator[ShardTask]:
-    """Yield the shard tasks of one split: runs of consecutive images whose file sizes sum to at most
-    ``shard_mb`` x 10^6 bytes (a larger image gets a shard of its own), the bytes spread evenly over the
-    shards, and at least `SPREAD_SHARDS` shards where the split holds `MIN_SHARD_BYTES` per shard, so that a few
-    workers get about the same work (3 shards on 2 workers would leave one idle half the time). The layout
-    depends on the files only, not on the number of workers. Writes go to ``out_dir/<split>/part-NNNNN.arrow``."""
-    sizes = []
-    for entry in entries:
+def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """``concatenate([arange(s, s + c) for s, c in zip(starts, counts)])`` (int64), without a Python loop."""
+    total = int(counts.sum())
+    if not total:
+        return np.zeros(0, np.int64)
+    return np.repeat(starts - np.cumsum(counts) + counts, counts) + np.arange(total, dtype=np.int64)
+
+
+def plan_shards(split: str, table: ImageTable, rows: np.ndarray, images_dir: Path, out_dir: Path, labels: dict,
+                shard_mb: float, strict: bool, leak: LeakCheck | None = None) -> Iterator[ShardTask]:
+    """Yield the shard tasks of one split, the images ``rows`` of ``table`` (ascending): runs of consecutive images
+    whose file sizes sum to at most ``shard_mb`` x 10^6 bytes (a larger image gets a shard of its own), the bytes
+    spread evenly over the shards, and at least `SPREAD_SHARDS` shards where the split holds `MIN_SHARD_BYTES` per
+    shard, so that a few workers get about the same work (3 shards on 2 workers would leave one idle half the
+    time). The layout depends on the files only, not on the number of workers. Writes go to
+    ``out_dir/<split>/part-NNNNN.arrow``."""
+    def size(row: int) -> int:
         try:
-            sizes.append(os.stat(images_dir / entry.file_name).st_size)
+            return os.stat(images_dir / table.name(row)).st_size
         except OSError:
-            sizes.append(0)              # missing or unreadable: counted by the worker
-    total = sum(sizes)
+            return 0                     # missing or unreadable: counted by the worker
+
+    sizes = np.fromiter((size(r) for r in rows.tolist()), np.int64, len(rows))
+    total = int(sizes.sum())
     cap = shard_mb * SHARD_MB_BYTES
     n = max(1, math.ceil(total / cap), min(SPREAD_SHARDS, total // MIN_SHARD_BYTES))
     target = total / n                   # cut at the image boundary nearest to it, never above cap
-    index, cur, cur_bytes = 0, [], 0
+    widths = np.frombuffer(table.cols.widths, np.int32)
+    heights = np.frombuffer(table.cols.heights, np.int32)
 
-    def task() -> ShardTask:
+    def task(index: int, a: int, b: int) -> ShardTask:
+        r = rows[a:b]
+        counts = table.ann_first[r + 1] - table.ann_first[r]
+        anns = _ranges(table.ann_first[r], counts)
+        pos = table.pos[r]
         return ShardTask(split, index, str(out_dir / split / f"part-{index:05d}.arrow"), str(images_dir),
-                         str(ann_file), labels, strict, fast_json, cur)
+                         str(table.cols.path), labels, strict, table.cols.fast, r, table.ids[r],
+                         [table.name(k) for k in r.tolist()], widths[pos], heights[pos], counts, table.cols.source,
+                         table.ann_starts[anns], table.ann_lengths[anns], leak)
 
-    for entry, size in zip(entries, sizes):
-        if cur and (cur_bytes + size > cap or cur_bytes + size / 2 > target):
-            yield task()
-            index, cur, cur_bytes = index + 1, [], 0
-        cur.append(entry)
+    index, start, cur_bytes = 0, 0, 0
+    for k, size in enumerate(sizes.tolist()):
+        if k > start and (cur_bytes + size > cap or cur_bytes + size / 2 > target):
+            yield task(index, start, k)
+            index, start, cur_bytes = index + 1, k, 0
         cur_bytes += size
-    if cur:
-        yield task()
+    if len(rows) > start:
+        yield task(index, start, len(rows))

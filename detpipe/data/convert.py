@@ -67,22 +67,35 @@ still entropy-decodes every block, skipping only the full-size IDCT and colour c
 files as ``decode_rgb`` at about 40 % of its cost (tests/test_convert.py checks the agreement on truncated and
 garbled COCO images). Other formats are decoded in full with ``decode_rgb``.
 
-Streaming and parallel: the JSON is the only thing held whole. Shards are planned from the file sizes (at most
-``shard_mb`` x 10^6 bytes of image bytes each, unless one image alone is larger); each shard is one task that a
-worker process reads, validates and writes itself (``workers``; 0 = in this process), with at most
-2 x ``workers`` tasks in flight, so memory is bounded by the JSON plus a few record batches per worker.
+Streaming and parallel: the annotation file is never held whole (`detpipe.data.coco.read_coco`): it is read in
+chunks of 8 MiB, each image and annotation record is parsed alone (orjson) and checked, and only compact columns
+stay (per image id, width, height and file name; per annotation id, image id and where its JSON text lies in the
+file); ids are deduplicated and sorted with numpy (`detpipe.data.coco.index`). Shards are planned from the file
+sizes (at most ``shard_mb`` x 10^6 bytes of image bytes each, unless one image alone is larger); each shard is one
+task that a worker process reads (each image's annotations parsed again from the file, one image at a time),
+validates and writes itself (``workers``; 0 = in this process), with at most 2 x ``workers`` tasks in flight. Memory:
+this process ~40 bytes per image record (+ its file name) and ~32 bytes per annotation record (~100 at the
+peak of sorting them), whatever their JSON size; each worker one image's annotations and one record batch.
+
+Leaks between splits: every image file is hashed (SHA-1) as it is read. The train shards are written first; a val
+image whose bytes equal a kept train image's (confirmed byte by byte) is then dropped from val (rule
+``val_image_in_train``; with ``strict`` an error naming both files); exact copies within a split are counted
+(``duplicate_image_bytes``) and kept.
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Iterator
 
-from detpipe.data.coco import Report, check_coco, gc_paused, index, load_json, split_ids
-from detpipe.data.cocoarrow import SCHEMA, ShardResult, ShardTask, convert_shard, plan_shards
+import numpy as np
+
+from detpipe.data.coco import ImageTable, Report, gc_paused, index, read_coco, split_ids, val_positions
+from detpipe.data.cocoarrow import (SCHEMA, ShardResult, convert_shard, plan_shards, write_leak_check)
 from detpipe.data.imageio import inspect_image
 from detpipe.errors import StageError
 from detpipe.files import atomic_dir
@@ -94,30 +107,30 @@ log = logging.getLogger(__name__)
 __all__ = ["convert", "split_ids", "inspect_image", "SCHEMA"]
 
 
-def _sources(raw_root: Path, params: Convert, report: Report) -> tuple[dict, list, Path, Path | None]:
-    """Load and check the annotation file(s): ``({split: (entries, image dir, ann file, parsed by orjson)},
-    categories, train file, val file or None)``. Each file is indexed in its own image-id space."""
+def _sources(raw_root: Path, params: Convert, report: Report, tmp: Path) -> tuple[dict, list, Path, Path | None]:
+    """Read, check and index the annotation file(s): ``({split: (table, rows, image dir)}, categories, train file,
+    val file or None)`` (``rows``: the split's rows of its `ImageTable`, ascending id). Each file is indexed in its
+    own image-id space; spill files (see `read_coco`) go to ``tmp``."""
     train_file = raw_root / params.annotations
-    data, fast = load_json(train_file)
-    check_coco(data, train_file)
-    categories = data["categories"]
+    cols = read_coco(train_file, tmp)
+    categories = cols.categories
     images_dir = raw_root / params.images
     if not images_dir.is_dir():
         raise StageError(f"{images_dir}: image folder not found (convert.images)")
     if params.val_images is not None and params.val_annotations is None:
         raise StageError("convert.val_images is set but convert.val_annotations is null (set both, or "
                          "neither to split the one file by val_fraction)")
-    idx = index(data, train_file, "train", report)
-    del data
+    table = index(cols, "train", report)
     if params.val_annotations is None:
-        train_ids, val_ids = split_ids(idx, params.val_fraction, params.seed)
-        return ({"train": ([idx[i] for i in train_ids], images_dir, train_file, fast),
-                 "val": ([idx[i] for i in val_ids], images_dir, train_file, fast)}, categories, train_file, None)
+        val = val_positions(len(table.ids), params.val_fraction, params.seed)
+        train = np.ones(len(table.ids), bool)
+        train[val] = False
+        return ({"train": (table, np.flatnonzero(train), images_dir), "val": (table, val, images_dir)},
+                categories, train_file, None)
     val_file = raw_root / params.val_annotations
-    vdata, vfast = load_json(val_file)
-    check_coco(vdata, val_file)
+    vcols = read_coco(val_file, tmp)
     names = {c["id"]: c["name"] for c in categories}
-    vnames = {c["id"]: c["name"] for c in vdata["categories"]}
+    vnames = {c["id"]: c["name"] for c in vcols.categories}
     if vnames != names:
         diff = sorted(set(vnames.items()) ^ set(names.items()))[0]
         raise StageError(f"{val_file}: categories differ from {train_file} (first difference: id {diff[0]} "
@@ -125,19 +138,51 @@ def _sources(raw_root: Path, params: Convert, report: Report) -> tuple[dict, lis
     val_dir = raw_root / (params.val_images or params.images)
     if not val_dir.is_dir():
         raise StageError(f"{val_dir}: image folder not found (convert.val_images)")
-    vidx = index(vdata, val_file, "val", report)
-    del vdata
-    return ({"train": ([idx[i] for i in sorted(idx)], images_dir, train_file, fast),
-             "val": ([vidx[i] for i in sorted(vidx)], val_dir, val_file, vfast)}, categories, train_file, val_file)
+    vtable = index(vcols, "val", report)
+    return ({"train": (table, np.arange(len(table.ids)), images_dir),
+             "val": (vtable, np.arange(len(vtable.ids)), val_dir)}, categories, train_file, val_file)
+
+
+def _read(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return None
+
+
+def _count_copies(split: str, table: ImageTable, results: list[ShardResult], images_dir: Path,
+                  report: Report) -> None:
+    """Count rule ``duplicate_image_bytes`` for each written row of ``split`` whose file bytes equal those of a
+    row with a lower image id (same SHA-1 key, then compared byte by byte), in image id order."""
+    if not results:
+        return
+    keys = np.concatenate([r.keys for r in results])
+    rows = np.concatenate([r.rows_out for r in results])
+    order = np.argsort(keys, kind="stable")
+    same = np.flatnonzero(keys[order][1:] == keys[order][:-1])
+    copies = []
+    for run in np.split(same, np.flatnonzero(np.diff(same) != 1) + 1) if len(same) else []:
+        firsts: list[tuple[int, bytes | None]] = []
+        for row in sorted(rows[order[run[0]:run[-1] + 2]].tolist()):
+            data = _read(images_dir / table.name(row))
+            match = next((first for first, blob in firsts if data is not None and blob == data), None)
+            if match is None:
+                firsts.append((row, data))
+            else:
+                copies.append((row, match))
+    for row, first in sorted(copies):
+        report.add("duplicate_image_bytes", split, str(images_dir / table.name(row)), f"image id {table.ids[row]}",
+                   f"same bytes as image id {table.ids[first]} ({images_dir / table.name(first)}) of the {split} "
+                   f"split; kept")
 
 
 def _collect(results: list[ShardResult], sources: dict, tmp: Path, report: Report) -> dict[str, dict]:
     """Merge the shard results per split: rename shards to consecutive ``part-NNNNN.arrow`` names, merge
-    their findings into ``report``. Raises `StageError` (rule ``split_emptied``) when the rules dropped every
-    image of a split that listed some."""
+    their findings into ``report``, count copies within the split. Raises `StageError` (rule ``split_emptied``)
+    when the rules dropped every image of a split that listed some."""
     results.sort(key=lambda r: (list(sources).index(r.split), r.index))
     splits: dict[str, dict] = {}
-    for split, (entries, _, ann_file, _) in sources.items():
+    for split, (table, rows, images_dir) in sources.items():
         mine = [r for r in results if r.split == split]
         shards = []
         for r in mine:
@@ -148,13 +193,14 @@ def _collect(results: list[ShardResult], sources: dict, tmp: Path, report: Repor
             if Path(r.out_path) != tmp / name:
                 os.rename(r.out_path, tmp / name)
             shards.append(name)
+        _count_copies(split, table, mine, images_dir, report)
         splits[split] = {"images": sum(r.rows for r in mine), "annotations": sum(r.annotations for r in mine),
-                         "shards": shards, "images_in": len(entries),
-                         "annotations_in": sum(len(e.anns) for e in entries),
+                         "shards": shards, "images_in": len(rows),
+                         "annotations_in": int((table.ann_first[rows + 1] - table.ann_first[rows]).sum()),
                          "image_bytes": sum(r.image_bytes for r in mine)}
-    for split, (entries, _, ann_file, _) in sources.items():
-        if splits[split]["images"] == 0 and (entries or split == "train"):
-            raise StageError(f"{ann_file}: no usable images in the {split} split ({len(entries)} listed; "
+    for split, (table, rows, _) in sources.items():
+        if splits[split]["images"] == 0 and (len(rows) or split == "train"):
+            raise StageError(f"{table.cols.path}: no usable images in the {split} split ({len(rows)} listed; "
                              f"findings: {report.summary()}) (rule 'split_emptied')")
     return splits
 
@@ -178,50 +224,56 @@ def convert(raw_root: Path | str, out_dir: Path | str, params: Convert, *, progr
     raw_root, out_dir = Path(raw_root), Path(out_dir)
     t0 = time.perf_counter()
     report = Report(params.strict)
-    with process_pool(params.workers) as pool, gc_paused() as parsed:  # after the fork: not the workers'
-        sources, categories, train_file, val_file = _sources(raw_root, params, report)
-        parsed()                        # the JSON lives until the end: frozen out of later collections
+    with process_pool(params.workers) as pool, gc_paused() as parsed, atomic_dir(out_dir) as tmp:
+        sources, categories, train_file, val_file = _sources(raw_root, params, report, tmp)  # after the fork
+        parsed()                        # the columns live until the end: frozen out of later collections
         cat_ids = sorted(c["id"] for c in categories)
         labels = {cid: k + 1 for k, cid in enumerate(cat_ids)}
         names = {c["id"]: c["name"] for c in categories}
-        total = sum(len(s[0]) for s in sources.values())
-        with atomic_dir(out_dir) as tmp, tqdm(total=total, unit="img", desc="convert", disable=not progress,
-                                              mininterval=0.5) as bar:
-            def tasks() -> Iterator[ShardTask]:
-                for split, (entries, img_dir, ann_file, fast_json) in sources.items():
-                    (tmp / split).mkdir()
-                    yield from plan_shards(split, entries, img_dir, tmp, ann_file, fast_json, labels,
-                                           params.shard_mb, params.strict)
-
-            results = []
-            for r in bounded_map(pool, convert_shard, tasks(), 2 * max(1, params.workers), ordered=False):
-                results.append(r)
-                bar.update(r.images)
-            splits = _collect(results, sources, tmp, report)
-            meta = {
-                "categories": categories,
-                "category_id_to_label": {str(cid): labels[cid] for cid in cat_ids},
-                "label_names": ["__background__"] + [names[cid] for cid in cat_ids],
-                "num_classes": len(cat_ids) + 1,
-                "splits": {s: {"images": v["images"], "annotations": v["annotations"], "shards": v["shards"]}
-                           for s, v in splits.items()},
-                "annotations_file": params.annotations,
-                "val_annotations_file": params.val_annotations,
-                "val_fraction": params.val_fraction if params.val_annotations is None else None,
-                "seed": params.seed,
-            }
-            rep = {
-                "strict": params.strict,
-                "annotations_file": str(train_file),
-                "val_annotations_file": None if val_file is None else str(val_file),
-                "splits": {s: {"images_in": v["images_in"], "images_out": v["images"],
-                               "annotations_in": v["annotations_in"], "annotations_out": v["annotations"],
-                               "image_bytes": v["image_bytes"], "shards": len(v["shards"])}
-                           for s, v in splits.items()},
-                "rules": report.to_json(),
-            }
-            (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-            (tmp / "report.json").write_text(json.dumps(rep, indent=2) + "\n")
+        total = sum(len(s[1]) for s in sources.values())
+        results: list[ShardResult] = []
+        with tqdm(total=total, unit="img", desc="convert", disable=not progress, mininterval=0.5) as bar:
+            leak = None
+            for split, (table, rows, images_dir) in sources.items():   # train first: val is checked against it
+                if split == "val" and len(rows):
+                    train_table, _, train_dir = sources["train"]
+                    leak = write_leak_check(tmp / ".train-images", train_table,
+                                            np.concatenate([np.zeros(0, np.int64)] + [r.rows_out for r in results]),
+                                            np.concatenate([np.zeros(0, np.int64)] + [r.keys for r in results]),
+                                            train_dir)
+                (tmp / split).mkdir()
+                tasks = plan_shards(split, table, rows, images_dir, tmp, labels, params.shard_mb, params.strict,
+                                    leak)
+                for r in bounded_map(pool, convert_shard, tasks, 2 * max(1, params.workers), ordered=False):
+                    results.append(r)
+                    bar.update(r.images)
+        for scratch in tmp.glob(".*"):                  # the leak check's arrays, spill files
+            shutil.rmtree(scratch) if scratch.is_dir() else scratch.unlink()
+        splits = _collect(results, sources, tmp, report)
+        meta = {
+            "categories": categories,
+            "category_id_to_label": {str(cid): labels[cid] for cid in cat_ids},
+            "label_names": ["__background__"] + [names[cid] for cid in cat_ids],
+            "num_classes": len(cat_ids) + 1,
+            "splits": {s: {"images": v["images"], "annotations": v["annotations"], "shards": v["shards"]}
+                       for s, v in splits.items()},
+            "annotations_file": params.annotations,
+            "val_annotations_file": params.val_annotations,
+            "val_fraction": params.val_fraction if params.val_annotations is None else None,
+            "seed": params.seed,
+        }
+        rep = {
+            "strict": params.strict,
+            "annotations_file": str(train_file),
+            "val_annotations_file": None if val_file is None else str(val_file),
+            "splits": {s: {"images_in": v["images_in"], "images_out": v["images"],
+                           "annotations_in": v["annotations_in"], "annotations_out": v["annotations"],
+                           "image_bytes": v["image_bytes"], "shards": len(v["shards"])}
+                       for s, v in splits.items()},
+            "rules": report.to_json(),
+        }
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        (tmp / "report.json").write_text(json.dumps(rep, indent=2) + "\n")
 
     tr, va = splits["train"], splits["val"]
     log.info("convert: train %d images / %d annotations in %d shard(s), val %d / %d in %d; dropped %d of %d "
