@@ -12,13 +12,15 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import orjson
 import pyarrow as pa
 import pytest
 from PIL import Image, ImageDraw
 from pycocotools import mask as mask_utils
 
 from detpipe.errors import StageError
-from detpipe.data.coco import RULES
+from detpipe.data import coco as coco_module
+from detpipe.data.coco import RULES, check_coco, load_json, read_coco
 from detpipe.data.convert import SCHEMA, convert, inspect_image, split_ids
 from detpipe.data.imageio import decode_rgb
 from detpipe.params import Convert
@@ -859,3 +861,174 @@ def test_stage_strict_error_from_a_worker_names_the_rule(tmp_path, coco):
     data, _ = _bad_annotations(coco)
     line = _error_line(_stage(tmp_path, data, val_fraction=0.0, strict=True))
     assert "annotation id" in line and "(image id 9)" in line and "rule 'bbox_not_finite'" in line, line
+
+
+# ------------------------------------------------------------------------- leaks and copies between images
+
+
+def _with_comment(jpeg: bytes, text: bytes) -> bytes:
+    """The same JPEG (same pixels) with a comment segment after SOI: other bytes."""
+    return jpeg[:2] + b"\xff\xfe" + (len(text) + 2).to_bytes(2, "big") + text + jpeg[2:]
+
+
+def _leaky_val(tmp_path, coco):
+    """Train: COCO128 images[:6]; val: images[6:9], plus 'copy.jpg' (the bytes of train's first image, another id
+    and name) and 'near.jpg' (the same pixels with a JPEG comment: other bytes)."""
+    def edit(val, train):
+        first = train["images"][0]
+        val["images"] += [dict(first, id=901, file_name="copy.jpg"), dict(first, id=902, file_name="near.jpg")]
+    raw, train, val = _two_files(tmp_path, coco, edit)
+    original = (COCO / "train2017" / train["images"][0]["file_name"]).read_bytes()
+    (raw / "val2017" / "copy.jpg").write_bytes(original)
+    (raw / "val2017" / "near.jpg").write_bytes(_with_comment(original, b"re-saved"))
+    return raw, train, val
+
+
+def test_val_image_equal_to_a_train_image_is_dropped(tmp_path, coco):
+    raw, train, val = _leaky_val(tmp_path, coco)
+    res = run(raw, val_annotations="annotations/instances_val2017.json", val_images="val2017")
+    assert findings(res) == {"val_image_in_train": 1, "image_no_annotations": 1}     # near.jpg: no annotations
+    (example,) = res["report"]["rules"]["val_image_in_train"]["examples"]
+    first = train["images"][0]
+    assert example["split"] == "val" and example["record"] == "image id 901"
+    assert example["file"].endswith("val2017/copy.jpg")
+    assert f"train image id {first['id']} (" in example["detail"] and \
+        example["detail"].endswith(f"train2017/{first['file_name']}); dropped with its 0 annotation(s)")
+    val_ids = [r["image_id"] for r in read_rows(tmp_path / "arrow", "val")]
+    assert val_ids == sorted(i["id"] for i in val["images"][:3]) + [902]      # the near copy is kept
+    assert len(read_rows(tmp_path / "arrow", "train")) == 6
+    assert res["report"]["splits"]["val"]["images_in"] == 5 and res["report"]["splits"]["val"]["images_out"] == 4
+
+
+def test_val_image_equal_to_a_train_image_strict_names_both_files(tmp_path, coco):
+    raw, train, _ = _leaky_val(tmp_path, coco)
+    with pytest.raises(StageError) as e:
+        run(raw, val_annotations="annotations/instances_val2017.json", val_images="val2017", strict=True)
+    msg = str(e.value)
+    assert "\n" not in msg and "rule 'val_image_in_train'" in msg and "image id 901" in msg
+    assert str(raw / "val2017" / "copy.jpg") in msg and str(raw / "train2017" / train["images"][0]["file_name"]) in msg
+    assert not (tmp_path / "arrow").exists()
+
+
+def test_copies_within_a_split_are_counted_and_kept(tmp_path, coco):
+    data = subset(coco, BASE_IDS)
+    data["images"].append(dict(next(i for i in data["images"] if i["id"] == 25), id=777, file_name="again.jpg"))
+    raw = write_raw(tmp_path, data, {"again.jpg": (COCO / "train2017" / "000000000025.jpg").read_bytes()})
+    res = run(raw)
+    assert findings(res) == {"duplicate_image_bytes": 1, "image_no_annotations": 1}
+    (example,) = res["report"]["rules"]["duplicate_image_bytes"]["examples"]
+    assert example["record"] == "image id 777" and example["file"].endswith("train2017/again.jpg")
+    assert "same bytes as image id 25 (" in example["detail"] and "000000000025.jpg" in example["detail"]
+    assert [r["image_id"] for r in read_rows(tmp_path / "arrow")] == [9, 25, 30, 777]
+
+
+def test_copies_across_a_fraction_split(tmp_path, coco):
+    """One file listing 12 images twice (the copies under other ids and names), split 50/50: a copy whose twin
+    went to train is dropped from val, twins both in val or both in train are counted there and kept."""
+    data = subset(coco, [i["id"] for i in coco["images"][:12]])
+    files = {}
+    for im in list(data["images"]):
+        twin = dict(im, id=im["id"] + 10**6, file_name="twin-" + im["file_name"])
+        data["images"].append(twin)
+        files[twin["file_name"]] = (COCO / "train2017" / im["file_name"]).read_bytes()
+    raw = write_raw(tmp_path, data, files)
+    res = run(raw, val_fraction=0.5, seed=3)
+    train, val = split_ids([i["id"] for i in data["images"]], 0.5, 3)
+    pairs = [(i["id"], i["id"] + 10**6) for i in data["images"][:12]]
+    leaks = sum((a in train) != (b in train) for a, b in pairs)
+    in_val = sum(a in val and b in val for a, b in pairs)
+    in_train = sum(a in train and b in train for a, b in pairs)
+    assert leaks and in_val and in_train                    # the seed puts twins every way
+    got = findings(res)
+    assert got.get("val_image_in_train") == leaks and got.get("duplicate_image_bytes") == in_val + in_train
+    assert res["meta"]["splits"]["val"]["images"] == len(val) - leaks
+    assert res["meta"]["splits"]["train"]["images"] == len(train)
+
+
+# ------------------------------------------------------------------------------ the streaming JSON reader
+
+
+def test_top_level_keys_in_any_order(tmp_path, coco):
+    """Annotations before images and categories last: the same rows as the usual order."""
+    data = subset(coco, BASE_IDS)
+    raw = write_raw(tmp_path, data)
+    run(raw)
+    before = read_rows(tmp_path / "arrow")
+    shutil.rmtree(tmp_path / "arrow")
+    (raw / ANN).write_text(json.dumps({"annotations": data["annotations"], "info": data["info"],
+                                       "images": data["images"], "categories": data["categories"]}))
+    run(raw)
+    assert read_rows(tmp_path / "arrow") == before
+
+
+def _mutated(text: bytes, rng: np.random.Generator) -> bytes:
+    """``text`` with 1-3 random edits: bytes deleted, JSON tokens (brackets, quotes, escapes, NaN, huge numbers,
+    a bad UTF-8 byte, a second images key) inserted or written over, a slice repeated."""
+    tokens = [b"{", b"}", b"[", b"]", b",", b":", b'"', b"\\", b" ", b"NaN", b"1e400", b"\\ud800", b'"images": [], ',
+              b"18446744073709551616", b"\xff", b"-", b"0"]
+    t = bytearray(text)
+    for _ in range(rng.integers(1, 4)):
+        k, r = int(rng.integers(len(t))), rng.random()
+        if r < 0.3:
+            del t[k:k + int(rng.integers(1, 4))]
+        elif r < 0.7:
+            t[k:k] = tokens[rng.integers(len(tokens))]
+        elif r < 0.85:
+            t[k:k + 1] = tokens[rng.integers(len(tokens))]
+        else:
+            a = int(rng.integers(len(t)))
+            t[k:k] = t[a:a + int(rng.integers(1, 40))]
+    return bytes(t)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_streaming_reader_agrees_with_the_whole_parse(tmp_path, coco, monkeypatch, seed):
+    """`read_coco` (chunks, records parsed alone) on 250 randomly broken annotation files, with chunks of 16 bytes
+    to 8 MiB: the same error message as `load_json` + `check_coco` on the whole file, or the same images,
+    annotations (parsed again from the bytes it points at) and categories."""
+    base = subset(coco, BASE_IDS)
+    base["annotations"] = base["annotations"][:6]
+    base["categories"] = base["categories"][:5]
+    base["info"] = {"note": 'brackets [ { and a quote \\" in a string'}
+    base["annotations"][1]["attributes"] = {"note": 'a quote " ] } and backslashes \\\\" [ {'}
+    base["licenses"] = [1, "a", {"u": [1, 2]}]
+    text = json.dumps(base).encode()
+    rng = np.random.default_rng(seed)
+    path = tmp_path / "x.json"
+
+    def streamed():
+        cols = read_coco(path, tmp_path)
+        blob = Path(cols.source).read_bytes()
+        parse = orjson.loads if cols.fast else json.loads
+        anns = [parse(blob[s:s + n]) for s, n in zip(cols.ann_starts, cols.ann_lengths)]
+        return cols.fast, list(cols.image_ids), cols.names.decode(), repr(anns), repr(cols.categories)
+
+    def whole():
+        data, fast = load_json(path)
+        check_coco(data, path)
+        return fast, [i["id"] for i in data["images"]], "".join(i["file_name"] for i in data["images"]), \
+            repr(data["annotations"]), repr(data["categories"])
+
+    def outcome(read):
+        try:
+            return ("ok", *read())
+        except StageError as e:
+            return ("error", str(e))
+
+    fixed = [text, text.replace(b'"area": ', b'"area": NaN, "was": ', 1),    # valid for Python's json only
+             text.replace(b'"name": "', b'"name": "\\udc00', 1), text.replace(b'"id": 9', b'"id": 18446744073709551625', 1),
+             text[:-1] + b', "images": []}']                                       # a key twice: the last wins
+    kinds = set()
+    for k in range(250):
+        path.write_bytes(fixed[k] if k < len(fixed) else _mutated(text, rng))
+        monkeypatch.setattr(coco_module, "CHUNK_BYTES", int(rng.choice([16, 100, 1000, 8 << 20])))
+        got = outcome(streamed)
+        assert got == outcome(whole), path.read_bytes()
+        kinds.add(got[0] if got[0] == "error" else f"ok fast={got[1]}")
+    assert kinds == {"error", "ok fast=True", "ok fast=False"}
+    for size in (16, 100, 1000, 8 << 20):       # valid files are read record by record, not parsed whole
+        monkeypatch.setattr(coco_module, "CHUNK_BYTES", size)
+        for k, fast in ((0, True), (1, False)):
+            path.write_bytes(fixed[k])
+            cols = read_coco(path, tmp_path)
+            assert cols.source == str(path) and cols.fast == fast and len(cols.ann_ids) == 6

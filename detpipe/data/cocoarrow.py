@@ -5,7 +5,8 @@ One `ShardTask` is a run of consecutive images of one split (`plan_shards`, from
 annotation file) and its file, hashes the file (SHA-1: a val image equal to a kept train image is dropped,
 `train_copy`), checks it (`detpipe.data.imageio.inspect`), applies the annotation rules
 (`detpipe.data.coco.clean_annotations`), maps annotations to the displayed frame where EXIF orientation asks for it
-(`detpipe.data.geometry`) and writes the rows as record batches of at most `BATCH_BYTES` image bytes. It runs in a
+(`detpipe.data.geometry`) and writes the rows as record batches of at most `BATCH_BYTES` image bytes (and as
+much segmentation text). It runs in a
 worker process (or in-process) and holds one image's annotations and one record batch at a time.
 """
 from __future__ import annotations
@@ -46,7 +47,7 @@ SCHEMA = pa.schema(
 """Arrow schema of the converted data, one row per image (see the convert stage's docstring)."""
 
 SHARD_MB_BYTES = 1_000_000          # convert.shard_mb unit: 1 MB = 10^6 bytes of image bytes
-BATCH_BYTES = 16 << 20              # image bytes per Arrow record batch (bounds a worker's memory)
+BATCH_BYTES = 16 << 20              # image bytes, or segmentation text, per Arrow record batch (bounds a worker)
 BATCH_ROWS = 1024
 SPREAD_SHARDS = 16                  # shards per split at least, while each keeps MIN_SHARD_BYTES (balance)
 MIN_SHARD_BYTES = 8_000_000
@@ -118,6 +119,7 @@ class _Batch:
         self.buf, _Batch._spare = _Batch._spare or bytearray(2 * BATCH_BYTES), None
         self.ends: list[int] = [0]          # end offset of each row's image bytes in buf
         self.rows = 0
+        self.text_bytes = 0                 # characters of segmentation text
 
     @property
     def nbytes(self) -> int:
@@ -154,6 +156,7 @@ class _Batch:
             col.append(row[name])
         self.ends.append(self.ends[-1] + nbytes)
         self.rows += 1
+        self.text_bytes += sum(map(len, row["segmentation"]))
 
     def record_batch(self) -> pa.RecordBatch:
         """The rows as one record batch; its ``image`` column points into the buffer (write it before the next
@@ -168,6 +171,7 @@ class _Batch:
             col.clear()
         self.ends = [0]
         self.rows = 0
+        self.text_bytes = 0
 
     def release(self) -> None:
         """Hand the buffer to this process's next batch (call when done with this one)."""
@@ -347,7 +351,8 @@ def convert_shard(task: ShardTask) -> ShardResult:
                 rows, anns, nbytes = rows + 1, anns + len(row["ann_id"]), nbytes + size
                 rows_out.append(int(task.rows[k]))
                 keys.append(key)
-            if batch.rows and (k == n - 1 or batch.nbytes >= BATCH_BYTES or batch.rows >= BATCH_ROWS):
+            if batch.rows and (k == n - 1 or batch.nbytes >= BATCH_BYTES or batch.rows >= BATCH_ROWS
+                               or batch.text_bytes >= BATCH_BYTES):
                 if writer is None:
                     writer = pa.ipc.new_file(task.out_path, SCHEMA)
                 writer.write_batch(batch.record_batch())
