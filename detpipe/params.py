@@ -158,6 +158,7 @@ class Train(_Section):
     rdzv_id: Optional[str] = Field(default=None, pattern=r"^[A-Za-z0-9_.-]+$", description='Job id of the rendezvous (torchrun --rdzv-id), the same on every node; null = $SLURM_JOB_ID under Slurm, else derived from the params.')
     rdzv_join_timeout_s: int = Field(default=600, ge=1, description='Seconds a (re)starting node waits for at least MIN nodes to join the rendezvous before the job fails.')
     rdzv_last_call_s: int = Field(default=30, ge=0, description='Seconds the rendezvous waits for more nodes (up to MAX) once MIN have joined.')
+    collective_timeout_s: float = Field(default=600, gt=0, description='Seconds a collective (all-reduce, barrier) may wait for its peers before the worker fails with one line naming the lost rank and host, so that torchrun restarts the group from the newest checkpoint instead of hanging on a node that dropped off the network (torch defaults: gloo 30 min, nccl 10 min). Must exceed the longest time ranks wait for rank 0 alone (evaluation with eval_every, a checkpoint write).')
     launcher: Literal["local", "slurm"] = Field(default="local", description='local: run torchrun here; slurm: submit the job with sbatch, stream its log, wait, scancel it when this stage is stopped.')
     slurm_partition: Optional[str] = Field(default=None, description='Slurm partition (sbatch --partition); null = the cluster default.')
     slurm_time: str = Field(default="24:00:00", pattern=r"^[0-9:-]+$", description='Slurm time limit of the job (sbatch --time).')

@@ -51,8 +51,10 @@ def main(argv: list[str] | None = None) -> None:
     cfg = load("train")
     if worker:
         from detpipe.engine.trainer import train
+        from detpipe.launch.distributed import collective_errors
 
-        train(cfg)
+        with collective_errors():  # a timed-out collective: one line naming the lost peer, exit status 2
+            train(cfg)
     else:
         from detpipe.launch import jobs
 

@@ -1,18 +1,23 @@
 """Distributed training on one machine: a 2-node torchrun job (two launches on 127.0.0.1, c10d rendezvous),
-2 processes per node, and the non-finite-loss guard. Restarts and elastic world sizes: tests/test_elastic.py."""
+2 processes per node, the non-finite-loss guard, and the collective timeout (a frozen peer). Restarts and elastic
+world sizes: tests/test_elastic.py."""
 from __future__ import annotations
 
+import os
+import contextlib
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
 from support.pipeline import stage_cli, write_params
-from support.procs import stage_env
+from support.procs import free_port as free_port_on, stage_env, stop_group
 
 
 def free_port() -> int:
@@ -74,3 +79,99 @@ def test_non_finite_losses_stop_training(cached_workdir, tmp_path):
     assert any("non-finite loss" in e and "train.max_bad_steps=1" in e for e in errors), proc.stderr[-2000:]
     assert "step skipped" in proc.stderr
     assert not (work / "models/model.pt").exists()
+
+
+# A worker of a 2-process gloo group as torchrun starts one (RANK, WORLD_SIZE, MASTER_ADDR/PORT, the store hosted
+# outside the workers, by the test as by torchrun's agent): the product's setup and error handling, then
+# all-reduces until stopped, printing "step N" after each.
+PEER = """
+import sys, torch, torch.distributed as dist
+from detpipe.errors import run_program
+from detpipe.launch.distributed import collective_errors, setup_distributed
+
+def main():
+    setup_distributed()
+    with collective_errors():
+        step = 0
+        while True:
+            dist.all_reduce(torch.ones(4))
+            step += 1
+            print(f"step {step}", flush=True)
+
+run_program(main, "peer")
+"""
+
+
+def _frozen_peer(tmp_path, timeout_s: float, deadline_s: float) -> tuple[float | None, str, int]:
+    """Start two `PEER` ranks, SIGSTOP rank 1 once both are all-reducing (a peer that stops answering without
+    closing its connections: what a host cut off the network looks like to the other), and wait up to
+    ``deadline_s`` seconds for rank 0 to exit. Returns (seconds rank 0 took to exit, None if it was still blocked
+    at the deadline; rank 0's output; rank 1's pid)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", free_port_on(), is_master=True, timeout=timedelta(seconds=30))
+    base = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
+            "TORCHELASTIC_USE_AGENT_STORE": "True", "DETPIPE_COLLECTIVE_TIMEOUT_S": str(timeout_s),
+            "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    logs = [tmp_path / f"rank{r}.log" for r in (0, 1)]
+    procs = [subprocess.Popen([sys.executable, "-c", PEER], env=stage_env({**base, "RANK": str(r),
+                                                                           "LOCAL_RANK": str(r)}),
+                              stdout=open(logs[r], "w"), stderr=subprocess.STDOUT, start_new_session=True)
+             for r in (0, 1)]
+    try:
+        start = time.monotonic()
+        while not all("step 3" in log.read_text() for log in logs):
+            assert all(p.poll() is None for p in procs) and time.monotonic() - start < 60, \
+                [log.read_text()[-2000:] for log in logs]
+            time.sleep(0.05)
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        frozen = time.monotonic()
+        try:
+            procs[0].wait(timeout=deadline_s)
+            took = time.monotonic() - frozen
+        except subprocess.TimeoutExpired:
+            took = None
+        return took, logs[0].read_text(), procs[1].pid
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(procs[1].pid, signal.SIGCONT)
+        stop_group(procs)
+        del store
+
+
+FROZEN_TIMEOUT_S = 3  # train.collective_timeout_s of the frozen-peer tests
+FROZEN_SLACK_S = 8  # seconds allowed beyond the timeout and the roll call (exit, on a loaded machine)
+
+
+def test_frozen_peer_fails_the_collective_within_its_timeout(tmp_path):
+    """A rank whose peer stops answering (SIGSTOP: no TCP reset, as with a host cut off the network) fails its
+    all-reduce after ``train.collective_timeout_s`` + the roll call, exits with status 2 and one line naming the
+    timeout and the lost rank with its host and pid (the elastic agent then restarts the group)."""
+    from detpipe.launch.distributed import ROLL_CALL_S
+
+    bound = FROZEN_TIMEOUT_S + min(ROLL_CALL_S, FROZEN_TIMEOUT_S) + FROZEN_SLACK_S
+    took, out, frozen_pid = _frozen_peer(tmp_path, FROZEN_TIMEOUT_S, deadline_s=bound)
+    assert took is not None, "rank 0 still blocked: " + out[-2000:]
+    print(f"rank 0 exited {took:.1f} s after its peer froze")
+    assert FROZEN_TIMEOUT_S - 0.5 <= took <= bound, took
+    errors = [l for l in out.splitlines() if l.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in out, out[-3000:]
+    assert re.fullmatch(rf"error: rank 0/2 \(host {re.escape(socket.gethostname())} pid \d+\): a collective timed "
+                        rf"out after 3 s \(train.collective_timeout_s\) - no answer from rank 1 \(host "
+                        rf"{re.escape(socket.gethostname())} pid {frozen_pid}\): lost or frozen; torchrun restarts "
+                        rf"the group", errors[0]), errors[0]
+
+
+@pytest.mark.slow
+def test_frozen_peer_blocks_without_the_timeout(tmp_path):
+    """The failure the timeout fixes (and that the test above would catch): with gloo's default timeout (30 min,
+    what every worker had before train.collective_timeout_s) the surviving rank is still blocked at the end of
+    the bound the test above allows."""
+    from detpipe.launch.distributed import ROLL_CALL_S
+
+    bound = FROZEN_TIMEOUT_S + min(ROLL_CALL_S, FROZEN_TIMEOUT_S) + FROZEN_SLACK_S
+    took, out, _ = _frozen_peer(tmp_path, 1800, deadline_s=bound)
+    assert took is None, out[-2000:]
+    assert "error:" not in out

@@ -8,6 +8,14 @@ Every launch uses the c10d rendezvous (``--rdzv-backend c10d``): the agents of a
 few as MIN nodes (and admits returning ones at the next restart). Each restart is a fresh start of the workers,
 which resume from the newest valid checkpoint (`stages.train`).
 
+The node whose address the endpoint names hosts the rendezvous store. torch decides that by comparing the
+endpoint's host with this machine's hostname, FQDN and the addresses the hostname resolves to
+(``torch.distributed.elastic.rendezvous.utils._matches_machine_hostname``, which its docstring says may give a
+false negative for addresses of secondary NICs): given an IP address the hostname does not resolve to (Debian maps
+the hostname to 127.0.1.1; a second NIC), no node hosts it and every agent waits as a client until the join
+timeout. `launch_local` decides it itself (`is_endpoint_host`: the host is, or resolves to, one of this machine's
+interface addresses) and says so in ``--rdzv-conf is_host=true|false``.
+
 One node: the rendezvous uses a free port on 127.0.0.1 and both TCP stores torchrun's agent hosts (the c10d
 rendezvous store and the store the workers bootstrap from) listen on 127.0.0.1 only — plain ``torchrun
 --standalone`` listens on all interfaces (torch's ``TCPStore`` server binds the wildcard address whatever the
@@ -16,6 +24,7 @@ host; we hand it a socket bound to the loopback address through its ``master_lis
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import ipaddress
 import json
@@ -25,6 +34,8 @@ import socket
 import sys
 from typing import Iterator
 
+import psutil
+
 from detpipe.errors import StageError
 from detpipe.lifeline import LAUNCHER_PID_ENV
 
@@ -33,7 +44,11 @@ log = logging.getLogger("detpipe.launch.torchrun")
 # Train params that only say how the job is launched: they change neither what is trained nor its result.
 LAUNCH_ONLY = frozenset({"nnodes", "rdzv_endpoint", "max_restarts", "rdzv_id", "rdzv_join_timeout_s",
                          "rdzv_last_call_s", "launcher", "slurm_partition", "slurm_time", "slurm_tasks_per_node",
-                         "slurm_cpus_per_task", "slurm_extra", "k8s_image"})
+                         "slurm_cpus_per_task", "slurm_extra", "k8s_image", "collective_timeout_s"})
+
+COLLECTIVE_TIMEOUT_ENV = "DETPIPE_COLLECTIVE_TIMEOUT_S"
+"""Environment variable carrying ``train.collective_timeout_s`` (seconds) to the workers
+(`detpipe.launch.distributed.setup_distributed` reads it)."""
 
 
 def parse_nnodes(spec: str) -> tuple[int, int]:
@@ -58,6 +73,26 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def local_addresses() -> set[str]:
+    """This machine's interface addresses (IPv4 and IPv6, zone ids such as ``%eth0`` dropped), from
+    ``psutil.net_if_addrs``."""
+    return {a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs
+            if a.family in (socket.AF_INET, socket.AF_INET6)}
+
+
+def is_endpoint_host(host: str) -> bool:
+    """Whether this machine hosts a rendezvous at ``host``: a loopback name or address, this machine's hostname or
+    FQDN, one of its interface addresses (`local_addresses`), or a name that resolves to one. A name that does
+    not resolve counts as another machine's."""
+    if is_loopback(host) or host in {socket.gethostname(), socket.getfqdn()}:
+        return True
+    try:
+        resolved = {info[4][0].split("%")[0] for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)}
+    except (OSError, UnicodeError):
+        return False
+    return any(is_loopback(a) for a in resolved) or bool(resolved & local_addresses())
+
+
 def default_run_id(cfg) -> str:
     """The rendezvous job id: ``train.rdzv_id``, else ``$SLURM_JOB_ID``, else ``detpipe-`` + 12 hex of the sha256
     of the params (the same on every node that runs the same params, so a restarted node rejoins its job)."""
@@ -68,13 +103,16 @@ def default_run_id(cfg) -> str:
     return "detpipe-" + hashlib.sha256(json.dumps(cfg.model_dump(), sort_keys=True).encode()).hexdigest()[:12]
 
 
-def torchrun_args(cfg, module: str, endpoint: str, run_id: str, nproc_per_node: int | None = None) -> list[str]:
+def torchrun_args(cfg, module: str, endpoint: str, run_id: str, nproc_per_node: int | None = None,
+                  is_host: bool | None = None) -> list[str]:
     """torchrun's arguments for ``python -m <module>`` under params ``cfg`` (`detpipe.params.Train`).
 
     Args:
         endpoint: ``host:port`` of the c10d rendezvous store (hosted by the agent on that host).
         run_id: rendezvous job id, the same for every agent of the job.
         nproc_per_node: workers per agent (default ``cfg.nproc_per_node``).
+        is_host: whether this node hosts the rendezvous store (``is_host=`` in ``--rdzv-conf``); None leaves it
+            to torch's hostname match (the job descriptions for schedulers, built before the node is known).
     Returns:
         e.g. ``["--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
         "10.0.0.5:29400", "--rdzv-id", "4711", "--rdzv-conf", "join_timeout=600,last_call_timeout=30",
@@ -82,10 +120,13 @@ def torchrun_args(cfg, module: str, endpoint: str, run_id: str, nproc_per_node: 
         is a loopback address (the workers then reach their bootstrap store on 127.0.0.1 as well).
     """
     lo, hi = parse_nnodes(cfg.nnodes)
+    conf = f"join_timeout={cfg.rdzv_join_timeout_s},last_call_timeout={cfg.rdzv_last_call_s}"
+    if is_host is not None:
+        conf += f",is_host={str(is_host).lower()}"
     args = ["--nnodes", str(lo) if lo == hi else f"{lo}:{hi}",
             "--nproc-per-node", str(nproc_per_node or cfg.nproc_per_node),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
-            "--rdzv-conf", f"join_timeout={cfg.rdzv_join_timeout_s},last_call_timeout={cfg.rdzv_last_call_s}",
+            "--rdzv-conf", conf,
             "--max-restarts", str(cfg.max_restarts)]
     host = endpoint.rsplit(":", 1)[0]
     if is_loopback(host):
@@ -95,13 +136,15 @@ def torchrun_args(cfg, module: str, endpoint: str, run_id: str, nproc_per_node: 
 
 def launch_env(cfg) -> dict[str, str]:
     """Environment variables the launcher sets for the workers: ``OMP_NUM_THREADS`` (``train.threads`` or 1:
-    what torchrun itself defaults to for more than one worker per node) and ``PYTHONUNBUFFERED=1`` (log lines
-    reach the job log as they happen)."""
-    return {"OMP_NUM_THREADS": str(cfg.threads or 1), "PYTHONUNBUFFERED": "1"}
+    what torchrun itself defaults to for more than one worker per node), ``PYTHONUNBUFFERED=1`` (log lines
+    reach the job log as they happen) and `COLLECTIVE_TIMEOUT_ENV` (``train.collective_timeout_s``, seconds)."""
+    return {"OMP_NUM_THREADS": str(cfg.threads or 1), "PYTHONUNBUFFERED": "1",
+            COLLECTIVE_TIMEOUT_ENV: f"{cfg.collective_timeout_s:g}"}
 
 
-def bind_loopback(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
-    """A listening TCP socket on ``host:port`` (port 0: a free one). Raises `OSError` if the port is taken."""
+def bind_listener(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (an IP address or ``localhost``; port 0: a free one). Raises
+    `OSError` if the port is taken."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.bind((host, port))
@@ -112,14 +155,35 @@ def bind_loopback(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
     return sock
 
 
+def listens_on_endpoint_only(host: str) -> bool:
+    """Whether a store hosted at ``host`` listens on that address alone (`agent_fixes`): a loopback address or
+    name, or an IP address of this machine's (`local_addresses`). A host name gets torch's wildcard listener: the
+    address it resolves to on this machine (e.g. Debian's 127.0.1.1) may not be the one other nodes reach."""
+    if is_loopback(host):
+        return True
+    try:
+        return str(ipaddress.ip_address(host)) in local_addresses()
+    except ValueError:
+        return False
+
+
+def _address_in_use(e: BaseException) -> bool:
+    """Whether a bind failed because the port is taken: `OSError` EADDRINUSE, or torch's ``DistNetworkError``
+    saying ``EADDRINUSE``."""
+    return getattr(e, "errno", None) == errno.EADDRINUSE or "EADDRINUSE" in str(e)
+
+
 @contextlib.contextmanager
 def agent_fixes(ready: dict[int, socket.socket] | None = None) -> Iterator[None]:
-    """Two fixes to torchrun's agent (this process), while active:
+    """Fixes to torchrun's agent (this process), while active:
 
-    * every ``TCPStore`` server it creates on a loopback address listens on that address only: it gets a socket
-      bound there (``TCPStore(master_listen_fd=...)``), taken from ``ready`` (``{port: socket}``, bound ahead so
-      the port cannot be taken meanwhile) or bound now. Servers on other addresses are left to torch (they must
-      be reachable from the other nodes);
+    * every ``TCPStore`` server it creates on a loopback address or on an IP address of this machine
+      (`listens_on_endpoint_only`) listens on that address only: it gets a socket bound there
+      (``TCPStore(master_listen_fd=...)``), taken from ``ready`` (``{port: socket}``, bound ahead so the port
+      cannot be taken meanwhile) or bound now. Servers at a host name are left to torch (wildcard); one that
+      cannot listen because the port is taken (another agent on
+      this machine hosts the store: ``is_host=true`` on both) connects to it as a client, as torch itself does
+      when it guessed the host (``c10d_rendezvous_backend._create_tcp_store``);
     * the workers' bootstrap store address is published in every rendezvous round, so that a node that was
       killed and started again can join the restarted job (torch publishes it only in an agent's first round).
     """
@@ -131,14 +195,19 @@ def agent_fixes(ready: dict[int, socket.socket] | None = None) -> Iterator[None]
     ready = dict(ready or {})
 
     def store(host_name, port, *args, is_master=False, **kwargs):
-        if not is_master or not is_loopback(host_name) or kwargs.get("master_listen_fd") is not None:
-            return real_store(host_name, port, *args, is_master=is_master, **kwargs)
-        try:
-            sock = ready.pop(port, None) or bind_loopback(host_name, port)
-        except OSError as e:  # another agent on this host serves it: torch then connects as a client
-            raise RuntimeError(f"{host_name}:{port}: {e}") from e
-        bound = sock.getsockname()[1]
-        return real_store(host_name, bound, *args, is_master=True, master_listen_fd=sock.detach(), **kwargs)
+        if is_master and kwargs.get("master_listen_fd") is None:
+            try:
+                if not listens_on_endpoint_only(host_name):
+                    return real_store(host_name, port, *args, is_master=True, **kwargs)
+                sock = ready.pop(port, None) or bind_listener(host_name, port)
+            except (OSError, RuntimeError) as e:
+                if not _address_in_use(e):
+                    raise
+                is_master = False  # another agent on this machine hosts it (is_host=true on both): join it
+            else:
+                bound = sock.getsockname()[1]
+                return real_store(host_name, bound, *args, is_master=True, master_listen_fd=sock.detach(), **kwargs)
+        return real_store(host_name, port, *args, is_master=is_master, **kwargs)
 
     def shared_server(self, master_addr, master_port):  # same arguments as torch's own method
         return store(master_addr, master_port, is_master=True, multi_tenant=True)
@@ -200,15 +269,18 @@ def launch_local(cfg, module: str, nproc_per_node: int | None = None) -> None:
     rdzv settings, max_restarts, threads). One node (``nnodes`` 1): a free port on 127.0.0.1, bound before
     torchrun starts. More nodes: ``cfg.rdzv_endpoint``; start the same command, with the same params, on every
     node (or use `detpipe.launch.slurm` / `detpipe.launch.k8s`). With a loopback endpoint the workers' gloo and NCCL sockets
-    use the loopback interface as well (``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` = ``lo``, Linux)."""
+    use the loopback interface as well (``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` = ``lo``, Linux). Whether
+    this node hosts the rendezvous store is decided here (`is_endpoint_host`) and passed as ``is_host``."""
     ready, env = {}, launch_env(cfg)
     if parse_nnodes(cfg.nnodes)[1] == 1:
-        sock = bind_loopback("127.0.0.1", 0)
+        sock = bind_listener("127.0.0.1", 0)
         ready[sock.getsockname()[1]] = sock
         endpoint = f"127.0.0.1:{sock.getsockname()[1]}"
     else:
         endpoint = cfg.rdzv_endpoint
-    if is_loopback(endpoint.rsplit(":", 1)[0]) and sys.platform.startswith("linux"):
+    host = endpoint.rsplit(":", 1)[0]
+    if is_loopback(host) and sys.platform.startswith("linux"):
         # the workers' own gloo / NCCL sockets on the loopback interface too (unless the user chose one)
         env.update({k: "lo" for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if k not in os.environ})
-    run_torchrun(torchrun_args(cfg, module, endpoint, default_run_id(cfg), nproc_per_node), env, ready)
+    argv = torchrun_args(cfg, module, endpoint, default_run_id(cfg), nproc_per_node, is_endpoint_host(host))
+    run_torchrun(argv, env, ready)
