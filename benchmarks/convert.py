@@ -1,7 +1,8 @@
 """Benchmark the convert stage against the bare validation floor, and its peak memory vs image count.
 
 Builds COCO128 replicas in a temporary folder (copies of the image files under new names, with new image and
-annotation ids), then
+annotation ids; each copy holds a JPEG comment naming it, so that no two files are equal: convert drops a val image
+equal to a train image), then
 
 * times `detpipe.data.convert.convert` and the *validation floor* on the same images: the same files read and
   decoded at 1/8 scale (``PIL.Image.draft``, what convert's image check does) by a process pool with the same
@@ -44,10 +45,16 @@ _MEASURE = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], chec
             "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
 
 
+def with_comment(jpeg: bytes, text: bytes) -> bytes:
+    """``jpeg`` with a comment segment (COM) after its SOI marker: the same pixels, other bytes."""
+    return jpeg[:2] + b"\xff\xfe" + (len(text) + 2).to_bytes(2, "big") + text + jpeg[2:]
+
+
 def build_replica(root: Path, n: int, link_from: Path | None = None) -> Path:
-    """Write ``root/raw`` with ``n`` images: COCO128 copies renamed ``r{k:03d}_<name>``, image id ``k * 10^9 +
-    id``, annotation id ``k * 10^13 + id`` (k = replica number). With ``link_from`` (a larger replica's raw
-    folder) the image files are hard links to its files instead of new copies."""
+    """Write ``root/raw`` with ``n`` images: COCO128 copies renamed ``r{k:03d}_<name>`` (with a comment naming the
+    copy, `with_comment`), image id ``k * 10^9 + id``, annotation id ``k * 10^13 + id`` (k = replica number).
+    With ``link_from`` (a larger replica's raw folder) the image files are hard links to its files instead of new
+    copies."""
     src = json.loads((COCO128 / ANN).read_text())
     raw = root / "raw"
     (raw / "train2017").mkdir(parents=True)
@@ -64,7 +71,8 @@ def build_replica(root: Path, n: int, link_from: Path | None = None) -> Path:
             if link_from is not None:
                 os.link(link_from / "train2017" / name, dst)
             else:
-                shutil.copyfile(COCO128 / "train2017" / im["file_name"], dst)
+                dst.write_bytes(with_comment((COCO128 / "train2017" / im["file_name"]).read_bytes(),
+                                             name.encode()))
             new = dict(im, id=k * 10**9 + im["id"], file_name=name)
             images.append(new)
             by_id[im["id"]] = new["id"]
@@ -147,9 +155,9 @@ def validation_floor(folder: Path, workers: int, write_to: Path | None = None) -
 
 CONVERT_CODE = ("import sys, json; from detpipe.data.convert import convert; from detpipe.params import Convert; "
                 "convert(sys.argv[1], sys.argv[2], Convert(**json.loads(sys.argv[3])), progress=False)")
-JSON_ONLY_CODE = ("import sys, json; from pathlib import Path; import detpipe.data.convert; import detpipe.data.coco as c; "
-                  "p = Path(sys.argv[1]) / 'annotations/instances_train2017.json'; d, _ = c.load_json(p); "
-                  "c.check_coco(d, p); c.index(d, p, 'train', c.Report())")
+JSON_ONLY_CODE = ("import sys, json, tempfile; from pathlib import Path; import detpipe.data.convert; "
+                  "import detpipe.data.coco as c; p = Path(sys.argv[1]) / 'annotations/instances_train2017.json'; "
+                  "c.index(c.read_coco(p, Path(tempfile.gettempdir())), 'train', c.Report())")
 
 
 def main() -> None:

@@ -1,8 +1,9 @@
 """Benchmark: convert + augment on a synthetic COCO-sized dataset, and what COCO train2017 / Objects365 would cost.
 
 For each ``N`` of ``--images`` (default 2000 8000 32000): COCO128's 128 images replicated under fresh image ids,
-annotation ids and file names (symbolic links to the same JPEG files, so the source costs no extra disk), one COCO
-JSON of N images with their annotations; then the real ``python -m stages.convert`` and ``python -m
+annotation ids and file names (copies of the JPEG files, each with a JPEG comment naming it: the same pixels, but no
+two files equal, since convert drops a val image equal to a train image), one COCO JSON of N images with their
+annotations; then the real ``python -m stages.convert`` and ``python -m
 stages.augment`` CLIs with the repository's params.yaml (``--encoding``/``--resize`` override the augment
 section). Per stage it prints wall seconds, the peak RSS (``ru_maxrss`` of the stage process and its workers,
 from ``os.wait4``) and the bytes written (``data/arrow``, ``data/cache``). Finally a least-squares line
@@ -33,14 +34,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks._workdir import env  # noqa: E402
+from benchmarks.convert import with_comment  # noqa: E402
 
 COCO128 = ROOT / "data" / "coco128"
 TARGETS = {"COCO train2017": 118_287, "Objects365 v2 train": 1_742_289}
 
 
 def synthesize(raw: Path, n: int) -> int:
-    """Write ``raw/annotations/instances_train2017.json`` and ``raw/train2017/*.jpg`` (symbolic links) for ``n`` images
-    replicated from COCO128; return the source JPEG bytes (as if the files were distinct)."""
+    """Write ``raw/annotations/instances_train2017.json`` and ``raw/train2017/*.jpg`` (distinct copies, see
+    `benchmarks.convert.with_comment`) for ``n`` images replicated from COCO128; return the source JPEG bytes."""
     src = json.loads((COCO128 / "annotations/instances_train2017.json").read_text())
     images = sorted(src["images"], key=lambda im: im["id"])
     by_image: dict[int, list[dict]] = {}
@@ -48,13 +50,15 @@ def synthesize(raw: Path, n: int) -> int:
         by_image.setdefault(a["image_id"], []).append(a)
     (raw / "annotations").mkdir(parents=True)
     (raw / "train2017").mkdir()
+    jpegs = {im["file_name"]: (COCO128 / "train2017" / im["file_name"]).read_bytes() for im in images}
     out_images, out_anns, total, ann_id = [], [], 0, 1
     for k in range(n):
         im = images[k % len(images)]
         new_id = k + 1
         name = f"{new_id:012d}.jpg"
-        os.symlink(COCO128 / "train2017" / im["file_name"], raw / "train2017" / name)
-        total += (COCO128 / "train2017" / im["file_name"]).stat().st_size
+        blob = with_comment(jpegs[im["file_name"]], name.encode())
+        (raw / "train2017" / name).write_bytes(blob)
+        total += len(blob)
         out_images.append({**im, "id": new_id, "file_name": name})
         for a in by_image.get(im["id"], []):
             out_anns.append({**a, "id": ann_id, "image_id": new_id})
