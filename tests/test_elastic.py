@@ -1,5 +1,6 @@
 """Elastic launch (torchrun c10d rendezvous): a killed worker, a killed and restarted node, a world size that
-shrinks on restart; single-node stores on 127.0.0.1 only. Real trainings on COCO128 images, real processes
+shrinks on restart; single-node stores on 127.0.0.1 only; the rendezvous host recognized by its interface
+address. Real trainings on COCO128 images, real processes
 killed with SIGKILL."""
 from __future__ import annotations
 
@@ -125,11 +126,11 @@ def test_killed_node_rejoins_bit_identical(cached_workdir, tmp_path, two_rank_wo
     _assert_same_final_state(two_rank_workdir, work)
 
 
-def _wait_for_listener(port: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+def _wait_for_listener(port: int, proc: subprocess.Popen, timeout: float = 120, host: str = "127.0.0.1") -> None:
     deadline = time.time() + timeout
     while True:
         with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
+            if s.connect_ex((host, port)) == 0:
                 return
         assert proc.poll() is None and time.time() < deadline, "the rendezvous store did not start"
         time.sleep(0.1)
@@ -247,3 +248,67 @@ def test_emitted_job_runs_the_local_launchers_command(tmp_path, monkeypatch, kin
         assert "#SBATCH --nodes=2-4" in text and "#SBATCH --gres=gpu:8" in text
     assert _rendezvous_free(argv) == _rendezvous_free(local)
     assert argv != local  # the comparison above is not vacuous: the scheduler's rendezvous address differs
+
+
+def _address_hostname_misses() -> str | None:
+    """An IPv4 address of this machine's interfaces (not loopback) that its hostname does not resolve to, or None."""
+    from detpipe.launch.torchrun import local_addresses
+
+    named = {info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None, proto=socket.IPPROTO_TCP)}
+    found = sorted(a for a in local_addresses() if "." in a and not a.startswith("127.") and a not in named)
+    return found[0] if found else None
+
+
+def test_endpoint_host_is_recognized_by_interface_address():
+    """`is_endpoint_host` on this machine's real addresses: every interface address, any loopback address (127.0.0.2
+    is one on Linux though no interface lists it), the hostname, are this machine's; an address from the
+    benchmarking range that no interface has, and a name that does not resolve, are not. torch's own test misses
+    an interface address the hostname does not resolve to (the bug: no node hosted the rendezvous)."""
+    from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
+
+    from detpipe.launch.torchrun import is_endpoint_host, local_addresses
+
+    addresses = local_addresses()
+    assert "127.0.0.1" in addresses and "127.0.0.2" not in addresses
+    assert all(is_endpoint_host(a) for a in addresses), addresses
+    assert is_endpoint_host("127.0.0.2") and is_endpoint_host(socket.gethostname()) and is_endpoint_host("localhost")
+    assert "198.18.0.1" not in addresses and not is_endpoint_host("198.18.0.1")
+    assert not is_endpoint_host("no-such-host.invalid")
+    missed = _address_hostname_misses()
+    if missed is None:
+        pytest.skip("every interface address here is one the hostname resolves to: torch's test cannot miss one")
+    assert is_endpoint_host(missed) and not _matches_machine_hostname(missed), missed
+
+
+def test_plain_torchrun_finds_no_rendezvous_host_at_such_an_address(tmp_path):
+    """What the launcher fixes: plain torchrun given that address as its endpoint does not host the store (torch's
+    hostname test says it is another machine's) and fails connecting to it as a client."""
+    missed = _address_hostname_misses()
+    if missed is None:
+        pytest.skip("every interface address here is one the hostname resolves to")
+    port = free_port(missed)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--rdzv-backend", "c10d",
+                           "--rdzv-endpoint", f"{missed}:{port}", "--rdzv-conf", "read_timeout=3", "-m", "json.tool"],
+                          env=stage_env(), capture_output=True, text=True, timeout=120, start_new_session=True)
+    assert proc.returncode != 0 and "RendezvousConnectionError" in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_two_nodes_meet_at_an_interface_address_the_hostname_misses(cached_workdir, tmp_path, two_rank_workdir):
+    """Two nodes (agents on this machine) with the endpoint given as an interface address the hostname does not
+    resolve to: the launcher says which node hosts the store (is_host), the store listens on that address only,
+    and the job trains to the same weights as a 2-process run."""
+    missed = _address_hostname_misses()
+    if missed is None:
+        pytest.skip("every interface address here is one the hostname resolves to")
+    port = free_port(missed)
+    work = elastic_workdir(cached_workdir, tmp_path / "w", {"nnodes": 2, "rdzv_endpoint": f"{missed}:{port}",
+                                                            "rdzv_join_timeout_s": 60})
+    logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
+    node0 = _start(work, logs[0])
+    _wait_for_listener(port, node0, host=missed)
+    assert _listening(node0.pid) == [missed], _listening(node0.pid)
+    node1 = _start(work, logs[1])
+    texts = _finish([node0, node1], logs)
+    assert all("is_host=true" in t for t in texts), [t[-2000:] for t in texts]
+    _assert_same_final_state(two_rank_workdir, work)
