@@ -24,7 +24,7 @@ DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
 ``train.collective_timeout_s``)."""
 
 ROLL_CALL_S = 10.0
-"""Seconds a rank whose collective timed out waits for the other ranks to answer the roll call (`collective_failure`)."""
+"""Seconds a rank whose collective timed out waits for the others to answer the roll call (`collective_failure`)."""
 
 _peers: list[str] = []  # "host <hostname> pid <pid>" of every rank, gathered at init
 
@@ -135,11 +135,12 @@ def collective_failure(e: BaseException) -> str | None:
     line = f"{me}: a collective timed out after {collective_timeout_s():g} s (train.collective_timeout_s)"
     here = _roll_call(min(ROLL_CALL_S, collective_timeout_s()))
     if here is None:
-        lost = f"the rendezvous store at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} did not answer either"
+        store = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        lost = f"the rendezvous store at {store} did not answer either (its host is lost)"
     else:
         missing = [f"rank {r}" + (f" ({_peers[r]})" if _peers else "") for r in range(world) if r not in here]
         lost = ("no answer from " + ", ".join(missing) + ": lost or frozen") if missing else \
-            "every rank answered the roll call"
+            "every rank answered the roll call: a rank was busier than the timeout (raise it)"
     return f"{line} - {lost}; torchrun restarts the group"
 
 
