@@ -1,5 +1,6 @@
-"""COCO instances files: loading, the schema checks (hard errors), the validation rules (counted findings) and
-the per-annotation checks that apply them.
+"""COCO instances files: reading them in bounded memory (`read_coco`: records parsed one at a time into numpy
+columns, `index`), the schema checks (hard errors), the validation rules (counted findings) and the per-annotation
+checks that apply them.
 
 `RULES` is the one table of counted rules (report.json, README "convert"); `ERRORS` the rules whose breach
 always stops the convert stage with a one-line error. A record is counted under the first rule it breaks.
@@ -146,9 +147,9 @@ def gc_paused() -> Iterator[Callable[[], None]]:
     The collector is paused; the yielded ``parsed()`` (call it once the JSON is parsed and indexed) freezes every
     object that exists (``gc.freeze``: later collections skip them) and resumes collecting; on exit they are
     unfrozen and the collector's state restored. Parsing makes one container per record and polygon, without
-    cycles: every automatic collection would walk them all again (2,048 images, load + check + index + split:
-    0.16-0.27 s -> 0.12-0.18 s), and the first collection after resuming would walk the whole parsed file
-    (~20 ms at 2,048 images, at every later full collection again) had it not been frozen.
+    cycles: automatic collections would walk them again and again (measured on the whole-file parse, 2,048
+    images, load + check + index + split: 0.16-0.27 s -> 0.12-0.18 s). `read_coco` keeps only a few objects
+    per file (numpy columns), but a file parsed whole (`load_json`) is alive until `read_coco` returns.
     """
     enabled = gc.isenabled()
     gc.disable()
@@ -344,8 +345,8 @@ class Entry:
 # ---------------------------------------------------------------------------------- streaming reader
 
 JSON_WS = b" \t\n\r"
-CHUNK_BYTES = 8 << 20
-"""Bytes read at a time by `read_coco` (more while one record is larger)."""
+CHUNK_BYTES = 2 << 20
+"""Bytes read at a time by `read_coco` (more while one record is larger); its numpy scan needs ~5 times that."""
 STREAM_MAX_DEPTH = 512
 """Nesting depth above which `read_coco` leaves the file to `load_json` (orjson's limit is 1024)."""
 FALLBACK_MAX_BYTES = 512 << 20
@@ -377,10 +378,11 @@ def _brackets(a: np.ndarray, depth: int) -> tuple[np.ndarray, ...]:
     Strings are found from their unescaped quotes (a quote after an odd run of backslashes is escaped)."""
     n = len(a)
     quote = a == 34
-    backslash = a == 92
-    if backslash.any():
-        edges = np.flatnonzero(np.diff(backslash.view(np.int8), prepend=np.int8(0), append=np.int8(0)))
-        run_start, run_end = edges[0::2], edges[1::2]
+    slashes = np.flatnonzero(a == 92)
+    if len(slashes):                                    # runs of backslashes: [run_start, run_end)
+        cut = np.flatnonzero(np.diff(slashes) != 1)
+        run_start = slashes[np.concatenate(([0], cut + 1))]
+        run_end = slashes[np.concatenate((cut, [len(slashes) - 1]))] + 1
         escaped = run_end[(run_end - run_start) % 2 == 1]
         quote[escaped[escaped < n]] = False
     q = np.flatnonzero(quote)
@@ -705,9 +707,10 @@ def index(cols: Columns, split: str, report: Report) -> ImageTable:
     aids = np.frombuffer(cols.ann_ids, np.int64)
     image_ids = np.frombuffer(cols.ann_image_ids, np.int64)
     order = np.argsort(aids, kind="stable")
+    ordered = aids[order]
     repeat = np.zeros(len(aids), bool)
-    repeat[order[1:][aids[order[1:]] == aids[order[:-1]]]] = True
-    del order
+    repeat[order[1:][ordered[1:] == ordered[:-1]]] = True
+    del order, ordered
     rank = np.searchsorted(kept_ids, image_ids)
     known = kept_ids[np.minimum(rank, len(kept_ids) - 1)] == image_ids if len(kept_ids) else \
         np.zeros(len(aids), bool)
@@ -719,13 +722,19 @@ def index(cols: Columns, split: str, report: Report) -> ImageTable:
         else:
             report.add("annotation_unknown_image", split, path, f"annotation id {aid} (image id {iid})",
                        f"image_id {iid} matches no image record")
-    good = np.flatnonzero(~repeat & known)
+    good = np.flatnonzero(known & ~repeat)
+    del known, repeat
     rank = rank[good]
     good = good[np.argsort(rank, kind="stable")]
     ann_first = np.zeros(len(kept) + 1, np.int64)
     np.cumsum(np.bincount(rank, minlength=len(kept)), out=ann_first[1:])
-    return ImageTable(cols, kept_ids, kept, ann_first, np.frombuffer(cols.ann_starts, np.int64)[good],
-                      np.frombuffer(cols.ann_lengths, np.int64)[good])
+    del rank
+    starts = np.frombuffer(cols.ann_starts, np.int64)[good]
+    lengths = np.frombuffer(cols.ann_lengths, np.int64)[good]
+    del aids, image_ids
+    for name in ("ann_ids", "ann_image_ids", "ann_starts", "ann_lengths"):   # only the sorted copies stay
+        setattr(cols, name, array.array("q"))
+    return ImageTable(cols, kept_ids, kept, ann_first, starts, lengths)
 
 
 def val_positions(n: int, val_fraction: float, seed: int) -> np.ndarray:

@@ -68,7 +68,7 @@ files as ``decode_rgb`` at about 40 % of its cost (tests/test_convert.py checks 
 garbled COCO images). Other formats are decoded in full with ``decode_rgb``.
 
 Streaming and parallel: the annotation file is never held whole (`detpipe.data.coco.read_coco`): it is read in
-chunks of 8 MiB, each image and annotation record is parsed alone (orjson) and checked, and only compact columns
+chunks of 2 MiB, each image and annotation record is parsed alone (orjson) and checked, and only compact columns
 stay (per image id, width, height and file name; per annotation id, image id and where its JSON text lies in the
 file); ids are deduplicated and sorted with numpy (`detpipe.data.coco.index`). Shards are planned from the file
 sizes (at most ``shard_mb`` x 10^6 bytes of image bytes each, unless one image alone is larger); each shard is one
