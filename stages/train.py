@@ -6,7 +6,7 @@ slurm``); each worker (detected by torchrun's ``LOCAL_RANK`` variable) trains wi
 CUDA. A worker binds itself to its launcher as it starts, before it imports torch: the kernel kills it when
 the launcher dies, at once if the launcher died before (`detpipe.lifeline.die_with_launcher`), so a ``kill -9``
 of the stage never leaves workers training on beside the next run. ``python -m stages.train --emit slurm|k8s``
-writes the Slurm script / Kubernetes manifest instead (README "Multi-node").
+writes the Slurm script / Kubernetes manifest instead (docs/multi-node.md).
 
 Outputs: ``checkpoints/ckpt-NNNNNNN.pt`` (kept across runs: ``persist: true`` in dvc.yaml), ``models/model.pt``
 (``{"model": state_dict, "config": {...}}`` for the evaluate and export stages), ``dvclive/`` (training

@@ -6,7 +6,7 @@ runs ``python -m torch.distributed.run <args> -m stages.train`` with the c10d re
 ``<job>-worker-0`` (the operator gives every replica a DNS name) at the port of ``train.rdzv_endpoint`` and the
 job name as rendezvous id. The operator recreates failed pods (``restartPolicy: OnFailure``); torchrun restarts
 the worker group; every start resumes from the newest checkpoint, so ``checkpoints/`` must be on a volume all
-pods share (a ReadWriteMany PVC mounted at the working directory, see README "Multi-node").
+pods share (a ReadWriteMany PVC mounted at the working directory, see docs/multi-node.md).
 """
 from __future__ import annotations
 
@@ -66,5 +66,5 @@ def pytorchjob_manifest(cfg, job: str, torchrun_argv: list[str], env: dict[str, 
             }},
         },
     }
-    return "# Written by `python -m stages.train --emit k8s` (README \"Multi-node\").\n" + \
+    return "# Written by `python -m stages.train --emit k8s` (docs/multi-node.md).\n" + \
         yaml.safe_dump(manifest, sort_keys=False)

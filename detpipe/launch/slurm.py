@@ -64,7 +64,7 @@ def sbatch_script(cfg, torchrun_argv: list[str], env: dict[str, str], workdir: P
     torchrun = " ".join([shlex.quote(sys.executable), "-m", "torch.distributed.run"] +
                         [_shell_word(a) for a in torchrun_argv])
     lines = ["#!/bin/bash", *(f"#SBATCH {o}" for o in opts),
-             "# Written by `python -m stages.train --emit slurm` for the current params.yaml (README \"Multi-node\").",
+             "# Written by `python -m stages.train --emit slurm` for the current params.yaml (docs/multi-node.md).",
              "set -euo pipefail",
              f"export {exports}",
              'RDZV_HOST=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
