@@ -961,6 +961,24 @@ def test_top_level_keys_in_any_order(tmp_path, coco):
     assert read_rows(tmp_path / "arrow") == before
 
 
+def test_a_file_parsed_whole_converts_the_same(tmp_path, coco):
+    """A file the record reader leaves to the whole parse (here "images" twice, valid JSON: the last wins) gives
+    the same rows, its annotations read by the workers from a spill file that does not stay in the output."""
+    data = subset(coco, BASE_IDS)
+    raw = write_raw(tmp_path, data)
+    run(raw, workers=1)
+    before = read_rows(tmp_path / "arrow")
+    shutil.rmtree(tmp_path / "arrow")
+    text = json.dumps(data)
+    (raw / ANN).write_text('{"images": [{"id": 1}], ' + text[1:])
+    (tmp_path / "spill").mkdir()
+    assert read_coco(raw / ANN, tmp_path / "spill").source.startswith(str(tmp_path / "spill"))   # parsed whole
+    run(raw, workers=1)
+    assert read_rows(tmp_path / "arrow") == before
+    assert sorted(p.name for p in (tmp_path / "arrow").iterdir()) == ["meta.json", "report.json", "train", "val"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["arrow", "raw", "spill"]
+
+
 def _mutated(text: bytes, rng: np.random.Generator) -> bytes:
     """``text`` with 1-3 random edits: bytes deleted, JSON tokens (brackets, quotes, escapes, NaN, huge numbers,
     a bad UTF-8 byte, a second images key) inserted or written over, a slice repeated."""

@@ -15,8 +15,8 @@ from PIL import Image
 from support.procs import REPO, run
 
 LIMIT_MB = 450
-"""The data-segment limit: ~2x what the streaming convert needs here (~220-260 MiB, imports ~130 MiB included);
-a whole parse of the file needs ~1 GiB (peak RSS of the old convert on a 57 MB file of this kind: 715 MiB)."""
+"""The data-segment limit: ~2x what the streaming convert needs on such a file (190-220 MiB, imports ~130 MiB
+included); a whole parse of it needs ~1 GiB (peak RSS of the old convert on a 57 MB file of this kind: 715 MiB)."""
 IMAGES, ANNS, POINTS = 1500, 10, 450
 
 _LIMITED = ("import resource, sys; limit = int(sys.argv[1]) << 20; "
