@@ -578,8 +578,7 @@ def micro_batches(dataset: CachedDetectionDataset, sampler: ResumableDistributed
         prefetcher = ShardPrefetcher(dataset._fs, dataset._split_dir, f"{redact(dataset.root)}/{dataset.split}",
                                      dataset.shard_names(), local_dir, local_bytes,
                                      (shards[np.asarray(ix, dtype=np.int64)] for _, ix in
-                                      _plan(sampler, epoch, start, offset, step)), lookahead,
-                                     horizon=max(sampler.num_samples, lookahead))
+                                      _plan(sampler, epoch, start, offset, step)), lookahead)
         dataset.local_dir, dataset.prefetcher = prefetcher.local_dir, prefetcher
     loader = DataLoader(dataset, batch_sampler=_BatchPlan(_plan(sampler, epoch, start, offset, step), batch_size),
                         num_workers=num_workers, collate_fn=collate, pin_memory=pin_memory)
