@@ -100,3 +100,29 @@ def prefect_api(tmp_path_factory) -> Iterator:
 
     with prefect_server(tmp_path_factory.mktemp("prefect_home")) as prefect:
         yield prefect
+
+
+@pytest.fixture(scope="session")
+def learns_prepared(tmp_path_factory) -> Path:
+    """`support.pipeline.make_learns_workdir` (4 COCO128 images, 4 classes, train = val) after the real convert and
+    augment stages' CLIs. Tests must not modify it."""
+    from support.pipeline import make_learns_workdir
+
+    work = tmp_path_factory.mktemp("learns") / "w"
+    work.mkdir()
+    make_learns_workdir(work)
+    for stage in ("convert", "augment"):
+        stage_cli(stage, work)
+    return work
+
+
+@pytest.fixture(scope="session")
+def fitted_workdir(tmp_path_factory, learns_prepared) -> Path:
+    """A copy of `learns_prepared` after the real train (150 iterations: the detector fits the 4 images, see
+    tests/test_learns.py) and evaluate stages: ``models/model.pt``, ``metrics/eval.json``. Tests must not modify
+    it: copy it (a few MB)."""
+    work = tmp_path_factory.mktemp("fitted") / "w"
+    shutil.copytree(learns_prepared, work)
+    stage_cli("train", work, timeout=1800)
+    stage_cli("evaluate", work)
+    return work

@@ -56,6 +56,53 @@ def make_coco_subset(dest: Path, n_images: int = 12) -> dict:
     return subset
 
 
+# The "learns" data (tests/test_learns.py, the `fitted_workdir` fixture): COCO128 images with one or two large
+# objects of four classes: zebra (34), dog (42), giraffe (72), elephant (263); 4 images, 7 objects, 4 classes +
+# background. Train and val are the same images: val is a copy of the train JSON whose image and annotation ids are
+# offset by `LEARNS_ID_OFFSET` (``convert.val_annotations``), so it is converted and cached like any explicit val split;
+# its files are copies holding a JPEG comment (the same pixels, other bytes: convert drops val files equal to train's).
+LEARNS_IMAGE_IDS = (34, 42, 72, 263)
+LEARNS_ID_OFFSET = 10**6
+LEARNS_ITERATIONS = 150
+
+
+def make_learns_workdir(work: Path) -> dict:
+    """``work/data/raw`` with the `LEARNS_IMAGE_IDS` images in ``images/``, ``annotations/train.json`` (their COCO
+    records, only their 4 categories), ``annotations/val.json`` (the same, ids offset by `LEARNS_ID_OFFSET`) and
+    ``val_images/`` (the same images, each with a JPEG comment segment after its SOI marker: same pixels);
+    ``work/params.yaml`` training ssdlite320_mobilenet_v3_large for `LEARNS_ITERATIONS` iterations on all of them
+    at once. Returns the train JSON."""
+    src = json.loads((COCO128 / "annotations" / "instances_train2017.json").read_text())
+    images = [im for im in src["images"] if im["id"] in LEARNS_IMAGE_IDS]
+    anns = [a for a in src["annotations"] if a["image_id"] in LEARNS_IMAGE_IDS]
+    cats = {a["category_id"] for a in anns}
+    train = {"images": images, "annotations": anns, "categories": [c for c in src["categories"] if c["id"] in cats]}
+    val = {**train, "images": [dict(im, id=im["id"] + LEARNS_ID_OFFSET) for im in images],
+           "annotations": [dict(a, id=a["id"] + LEARNS_ID_OFFSET, image_id=a["image_id"] + LEARNS_ID_OFFSET)
+                           for a in anns]}
+    raw = work / "data" / "raw"
+    (raw / "annotations").mkdir(parents=True)
+    (raw / "images").mkdir()
+    (raw / "val_images").mkdir()
+    (raw / "annotations" / "train.json").write_text(json.dumps(train))
+    (raw / "annotations" / "val.json").write_text(json.dumps(val))
+    comment = b"val copy"
+    for im in images:
+        data = (COCO128 / "train2017" / im["file_name"]).read_bytes()
+        (raw / "images" / im["file_name"]).write_bytes(data)
+        (raw / "val_images" / im["file_name"]).write_bytes(
+            data[:2] + b"\xff\xfe" + (len(comment) + 2).to_bytes(2, "big") + comment + data[2:])
+    n = len(LEARNS_IMAGE_IDS)
+    write_params(work, {
+        "convert": {"annotations": "annotations/train.json", "images": "images",
+                    "val_annotations": "annotations/val.json", "val_images": "val_images"},
+        "train": {"model": "ssdlite320_mobilenet_v3_large", "epochs": LEARNS_ITERATIONS, "batch_size": n,
+                  "lr": 0.05, "warmup_iters": 5, "weight_decay": 0.0, "hflip": 0.0, "threads": 0,
+                  "checkpoint_every": LEARNS_ITERATIONS, "log_every": LEARNS_ITERATIONS},
+        "evaluate": {"batch_size": n, "num_plot_images": 0}})
+    return train
+
+
 def recalibrated_model(work: Path):
     """Load ``work/models/model.pt`` and recalibrate its BatchNorm statistics on the training cache (cumulative
     average over all images). After a few tiny training steps the running statistics are still near their initial
