@@ -6,13 +6,19 @@ another). What is expensive is built once per test run and reused:
 * ``reproduced_repo``: a git + DVC copy of the repository after ``dvc repro`` of the whole default pipeline (12
   images, tiny params): every test that needs pipeline outputs in a repository starts from a copy of it
   (`support.repos.clone_with_cache`), so each stage's real run through DVC is proven once;
-* ``s3_server``: SeaweedFS S3; ``prefect_api``: one Prefect server for every Prefect test.
+* ``s3_server``: SeaweedFS S3; ``prefect_api``: one Prefect server for every Prefect test;
+* ``learns_prepared`` / ``fitted_workdir``: the learns test's 4 images, and the detector that fits them.
+
+The session fixtures in `PREBUILT` that the selected tests use are built ahead of need, one at a time, by a
+background thread while the first tests run (`support.prebuild`): most tests keep one core busy, the fixtures
+use the other.
 
 Everything the tests start carries this run's token in its environment and dies with the pytest process,
 even a SIGKILLed one (`support.reaper`).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from pathlib import Path
@@ -20,6 +26,7 @@ from typing import Iterator
 
 import pytest
 
+from support import prebuild
 from support.pipeline import elastic_workdir, make_coco_subset, stage_cli, write_params
 from support.procs import run
 
@@ -32,11 +39,10 @@ def pytest_configure(config):
         reaper.start()
 
 
-@pytest.fixture(scope="session")
-def cached_workdir(tmp_path_factory) -> Path:
-    """A working directory with ``params.yaml`` (tiny), ``data/raw`` (12 COCO128 images), and the real
-    convert and augment stages' outputs ``data/arrow`` and ``data/cache``. Tests must not modify it."""
-    work = tmp_path_factory.mktemp("cached")
+# ---------------------------------------------------------------------------------------------- builds
+
+def _cached_workdir(factory) -> Path:
+    work = factory.mktemp("cached")
     write_params(work)
     make_coco_subset(work / "data" / "raw")
     stage_cli("convert", work)
@@ -44,19 +50,15 @@ def cached_workdir(tmp_path_factory) -> Path:
     return work
 
 
-@pytest.fixture(scope="session")
-def trained_workdir(tmp_path_factory, cached_workdir) -> Path:
-    """A copy of `cached_workdir` after the real train stage (tiny params, 1 process)."""
-    work = tmp_path_factory.mktemp("trained")
-    shutil.copytree(cached_workdir, work, dirs_exist_ok=True)
+def _trained_workdir(factory) -> Path:
+    work = factory.mktemp("trained")
+    shutil.copytree(prebuild.get("cached_workdir"), work, dirs_exist_ok=True)
     stage_cli("train", work)
     return work
 
 
-@pytest.fixture(scope="session")
-def two_rank_workdir(tmp_path_factory, cached_workdir) -> Path:
-    """An uninterrupted single-node train run with 2 worker processes (world size 2) and ``ELASTIC_TRAIN``."""
-    work = elastic_workdir(cached_workdir, tmp_path_factory.mktemp("two_ranks"), {"nproc_per_node": 2})
+def _two_rank_workdir(factory) -> Path:
+    work = elastic_workdir(prebuild.get("cached_workdir"), factory.mktemp("two_ranks"), {"nproc_per_node": 2})
     stage_cli("train", work)
     return work
 
@@ -65,14 +67,10 @@ def two_rank_workdir(tmp_path_factory, cached_workdir) -> Path:
 REPRODUCED_PARAMS = {"train": {"epochs": 1}}
 
 
-@pytest.fixture(scope="session")
-def reproduced_repo(tmp_path_factory) -> Path:
-    """A git + DVC copy of the repository (`support.repos.make_repo` with ``REPRODUCED_PARAMS`` and the default
-    export, torch.export included) after ``dvc repro`` of the whole pipeline, the run committed ("pipeline
-    run"). Tests must not modify it: copy it with `support.repos.clone_with_cache`."""
+def _reproduced_repo(factory) -> Path:
     from support.repos import make_repo
 
-    repo = make_repo(tmp_path_factory.mktemp("reproduced") / "repo", train=REPRODUCED_PARAMS["train"],
+    repo = make_repo(factory.mktemp("reproduced") / "repo", train=REPRODUCED_PARAMS["train"],
                      export={"torch_export": True})
     run(["dvc", "repro"], repo)
     run(["git", "add", "-A"], repo)
@@ -80,35 +78,27 @@ def reproduced_repo(tmp_path_factory) -> Path:
     return repo
 
 
-@pytest.fixture(scope="session")
-def s3_server(tmp_path_factory):
-    """Session-scoped SeaweedFS S3 server on 127.0.0.1 (`support.s3server.running_s3_server`); yields an
-    `support.s3server.S3Server`."""
+def _prefect_api(factory):
+    from support.prefect import prefect_server
+
+    stack = contextlib.ExitStack()
+    prebuild.at_exit(stack.close)              # the server stops at the end of the session
+    return stack.enter_context(prefect_server(factory.mktemp("prefect_home")))
+
+
+def _s3_server(factory):
     from support.s3server import running_s3_server
 
     os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
-    with running_s3_server(tmp_path_factory.mktemp("s3server")) as server:
-        yield server
+    stack = contextlib.ExitStack()
+    prebuild.at_exit(stack.close)              # the server stops at the end of the session
+    return stack.enter_context(running_s3_server(factory.mktemp("s3server")))
 
 
-@pytest.fixture(scope="session")
-def prefect_api(tmp_path_factory) -> Iterator:
-    """One Prefect server for every Prefect test of the run (`support.prefect.prefect_server`: SQLite in a
-    temporary ``PREFECT_HOME``, a free loopback port, the shortest safe heartbeat settings); yields its
-    `support.prefect.Prefect`. Modules add their serve/worker processes to ``procs`` and stop them at their end."""
-    from support.prefect import prefect_server
-
-    with prefect_server(tmp_path_factory.mktemp("prefect_home")) as prefect:
-        yield prefect
-
-
-@pytest.fixture(scope="session")
-def learns_prepared(tmp_path_factory) -> Path:
-    """`support.pipeline.make_learns_workdir` (4 COCO128 images, 4 classes, train = val) after the real convert and
-    augment stages' CLIs. Tests must not modify it."""
+def _learns_prepared(factory) -> Path:
     from support.pipeline import make_learns_workdir
 
-    work = tmp_path_factory.mktemp("learns") / "w"
+    work = factory.mktemp("learns") / "w"
     work.mkdir()
     make_learns_workdir(work)
     for stage in ("convert", "augment"):
@@ -116,13 +106,97 @@ def learns_prepared(tmp_path_factory) -> Path:
     return work
 
 
-@pytest.fixture(scope="session")
-def fitted_workdir(tmp_path_factory, learns_prepared) -> Path:
-    """A copy of `learns_prepared` after the real train (150 iterations: the detector fits the 4 images, see
-    tests/test_learns.py) and evaluate stages: ``models/model.pt``, ``metrics/eval.json``. Tests must not modify
-    it: copy it (a few MB)."""
-    work = tmp_path_factory.mktemp("fitted") / "w"
-    shutil.copytree(learns_prepared, work)
+def _fitted_workdir(factory) -> Path:
+    work = factory.mktemp("fitted") / "w"
+    shutil.copytree(prebuild.get("learns_prepared"), work)
     stage_cli("train", work, timeout=1800)
     stage_cli("evaluate", work)
     return work
+
+
+for _name, _build in (("learns_prepared", _learns_prepared), ("fitted_workdir", _fitted_workdir),
+                      ("cached_workdir", _cached_workdir), ("trained_workdir", _trained_workdir),
+                      ("two_rank_workdir", _two_rank_workdir), ("reproduced_repo", _reproduced_repo),
+                      ("prefect_api", _prefect_api), ("s3_server", _s3_server)):
+    prebuild.register(_name, _build)
+# Built in the background in this order when a selected test uses them (their first users come late in the run:
+# test_elastic, test_evaluate, test_flows, ...; the test modules register their own: test_flows' killed run,
+# test_workers' team, test_learns' trainings on corrupted caches), then any other registered build; the session
+# fixtures the first test files need at once (cached_workdir, s3_server) are built by those tests, never queued.
+PREBUILT = ("reproduced_repo", "prefect_api", "two_rank_workdir", "trained_workdir", "killed_run", "fitted_workdir",
+            "team", "learns[labels+1]", "learns[boxes*2]")
+BUILT_FIRST_BY_TESTS = ("cached_workdir", "s3_server")
+
+
+def pytest_collection_finish(session):
+    prebuild.set_factory(session.config._tmp_path_factory)   # what the tmp_path_factory fixture returns
+    if os.environ.get("DETPIPE_TEST_PREBUILD", "1") == "0" or not session.items:
+        return
+    used = set().union(*(getattr(item, "fixturenames", ()) for item in session.items))
+    builds = prebuild.registered()
+    order = [*PREBUILT, *(n for n in builds if n not in PREBUILT and n not in BUILT_FIRST_BY_TESTS)]
+    prebuild.schedule([name for name in order if builds.get(name) in used])
+
+
+def pytest_sessionfinish(session):
+    prebuild.finish()
+
+
+# ---------------------------------------------------------------------------------------------- fixtures
+
+@pytest.fixture(scope="session")
+def cached_workdir(tmp_path_factory) -> Path:
+    """A working directory with ``params.yaml`` (tiny), ``data/raw`` (12 COCO128 images), and the real
+    convert and augment stages' outputs ``data/arrow`` and ``data/cache``. Tests must not modify it."""
+    return prebuild.get("cached_workdir")
+
+
+@pytest.fixture(scope="session")
+def trained_workdir(tmp_path_factory) -> Path:
+    """A copy of `cached_workdir` after the real train stage (tiny params, 1 process)."""
+    return prebuild.get("trained_workdir")
+
+
+@pytest.fixture(scope="session")
+def two_rank_workdir(tmp_path_factory) -> Path:
+    """An uninterrupted single-node train run with 2 worker processes (world size 2) and ``ELASTIC_TRAIN``."""
+    return prebuild.get("two_rank_workdir")
+
+
+@pytest.fixture(scope="session")
+def reproduced_repo(tmp_path_factory) -> Path:
+    """A git + DVC copy of the repository (`support.repos.make_repo` with ``REPRODUCED_PARAMS`` and the default
+    export, torch.export included) after ``dvc repro`` of the whole pipeline, the run committed ("pipeline
+    run"). Tests must not modify it: copy it with `support.repos.clone_with_cache`."""
+    return prebuild.get("reproduced_repo")
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """Session-scoped SeaweedFS S3 server on 127.0.0.1 (`support.s3server.running_s3_server`, stopped at the end
+    of the session): an `support.s3server.S3Server`."""
+    return prebuild.get("s3_server")
+
+
+@pytest.fixture(scope="session")
+def prefect_api(tmp_path_factory) -> Iterator:
+    """One Prefect server for every Prefect test of the run (`support.prefect.prefect_server`: SQLite in a
+    temporary ``PREFECT_HOME``, a free loopback port, the shortest safe heartbeat settings; stopped at the end of
+    the session); its `support.prefect.Prefect`. Modules add their serve/worker processes to ``procs`` and stop
+    them at their end."""
+    return prebuild.get("prefect_api")
+
+
+@pytest.fixture(scope="session")
+def learns_prepared(tmp_path_factory) -> Path:
+    """`support.pipeline.make_learns_workdir` (4 COCO128 images, 4 classes, train = val) after the real convert and
+    augment stages' CLIs. Tests must not modify it."""
+    return prebuild.get("learns_prepared")
+
+
+@pytest.fixture(scope="session")
+def fitted_workdir(tmp_path_factory) -> Path:
+    """A copy of `learns_prepared` after the real train (150 iterations: the detector fits the 4 images, see
+    tests/test_learns.py) and evaluate stages: ``models/model.pt``, ``metrics/eval.json``. Tests must not modify
+    it: copy it (a few MB)."""
+    return prebuild.get("fitted_workdir")

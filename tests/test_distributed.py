@@ -145,14 +145,28 @@ FROZEN_TIMEOUT_S = 3  # train.collective_timeout_s of the frozen-peer tests
 FROZEN_SLACK_S = 8  # seconds allowed beyond the timeout and the roll call (exit, on a loaded machine)
 
 
-def test_frozen_peer_fails_the_collective_within_its_timeout(tmp_path):
-    """A rank whose peer stops answering (SIGSTOP: no TCP reset, as with a host cut off the network) fails its
-    all-reduce after ``train.collective_timeout_s`` + the roll call, exits with status 2 and one line naming the
-    timeout and the lost rank with its host and pid (the elastic agent then restarts the group)."""
+@pytest.fixture(scope="module")
+def frozen_peers(tmp_path_factory) -> dict:
+    """`_frozen_peer` with ``train.collective_timeout_s`` = `FROZEN_TIMEOUT_S` and with gloo's default (1800 s,
+    what every worker had before the setting), both at once (each pair keeps about one core busy until the
+    freeze); the bound each waits is the timeout + the roll call + `FROZEN_SLACK_S`."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from detpipe.launch.distributed import ROLL_CALL_S
 
     bound = FROZEN_TIMEOUT_S + min(ROLL_CALL_S, FROZEN_TIMEOUT_S) + FROZEN_SLACK_S
-    took, out, frozen_pid = _frozen_peer(tmp_path, FROZEN_TIMEOUT_S, deadline_s=bound)
+    with ThreadPoolExecutor(2) as pool:
+        runs = {t: pool.submit(_frozen_peer, tmp_path_factory.mktemp(f"frozen{t}"), t, bound)
+                for t in (FROZEN_TIMEOUT_S, 1800)}
+        return {"bound": bound, **{t: f.result() for t, f in runs.items()}}
+
+
+def test_frozen_peer_fails_the_collective_within_its_timeout(frozen_peers):
+    """A rank whose peer stops answering (SIGSTOP: no TCP reset, as with a host cut off the network) fails its
+    all-reduce after ``train.collective_timeout_s`` + the roll call, exits with status 2 and one line naming the
+    timeout and the lost rank with its host and pid (the elastic agent then restarts the group)."""
+    bound = frozen_peers["bound"]
+    took, out, frozen_pid = frozen_peers[FROZEN_TIMEOUT_S]
     assert took is not None, "rank 0 still blocked: " + out[-2000:]
     print(f"rank 0 exited {took:.1f} s after its peer froze")
     assert FROZEN_TIMEOUT_S - 0.5 <= took <= bound, took
@@ -164,14 +178,10 @@ def test_frozen_peer_fails_the_collective_within_its_timeout(tmp_path):
                         rf"the group", errors[0]), errors[0]
 
 
-@pytest.mark.slow
-def test_frozen_peer_blocks_without_the_timeout(tmp_path):
+def test_frozen_peer_blocks_without_the_timeout(frozen_peers):
     """The failure the timeout fixes (and that the test above would catch): with gloo's default timeout (30 min,
     what every worker had before train.collective_timeout_s) the surviving rank is still blocked at the end of
     the bound the test above allows."""
-    from detpipe.launch.distributed import ROLL_CALL_S
-
-    bound = FROZEN_TIMEOUT_S + min(ROLL_CALL_S, FROZEN_TIMEOUT_S) + FROZEN_SLACK_S
-    took, out, _ = _frozen_peer(tmp_path, 1800, deadline_s=bound)
+    took, out, _ = frozen_peers[1800]
     assert took is None, out[-2000:]
     assert "error:" not in out

@@ -22,7 +22,8 @@ import jsonschema
 import psutil
 import pytest
 
-from support.prefect import ZOMBIE_AFTER_S, run_id
+from support import prebuild
+from support.prefect import ZOMBIE_AFTER_S, Prefect, run_id
 from support.procs import REPO, run as sh, stage_env, stop_group
 from support.repos import clone_with_cache, snapshot
 
@@ -130,17 +131,11 @@ def prefect(prefect_api):
     """The session's Prefect server with ``python -m flows.serve`` serving ``train/main`` (and ``sweep/main``)
     from this checkout; serve is stopped at the end of the module."""
     first = len(prefect_api.procs)
-    serve = prefect_api.serve()
-    deadline = time.monotonic() + 120
-    while prefect_api.cli("deployment", "inspect", "train/main", check=False).returncode != 0:
-        assert serve.poll() is None, (prefect_api.logs / "serve.log").read_text()[-3000:]
-        assert time.monotonic() < deadline, "deployment train/main not served in 120 s"
-        time.sleep(1)
+    prefect_api.serving("main")
     try:
         yield prefect_api
     finally:
-        for proc in prefect_api.procs[first:]:
-            stop_group(proc)
+        stop_group(prefect_api.procs[first:])
         del prefect_api.procs[first:]
 
 
@@ -183,9 +178,10 @@ def _stage_segment(logs: str, stage: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- slow tests
-# One pipeline is built per module (the export stage alone takes about a minute on 2 cores): `killed_run`
-# builds it through a run whose training is killed, then whose serve process is killed, and which is then
-# retried; the other tests copy its repository (its DVC cache holds the stages' outputs).
+# Every run starts from a copy of the session's reproduced repository (`flow_repo`: its DVC cache holds the
+# stages' outputs). `_killed_run` kills a run's training, then its serve process, and retries the Crashed run: it
+# runs in the background early in the session (a minute of it is waiting for missed heartbeats); the cancel,
+# sweep and watched runs use this module's own serve process (deployment train/main).
 
 def _workspace(repo: Path, run: subprocess.Popen, timeout: float = 300) -> Path:
     """The isolated workspace the (only) run started on ``repo`` works in."""
@@ -265,46 +261,162 @@ def _still_alive(procs: list[psutil.Process], timeout: float) -> list[psutil.Pro
         time.sleep(0.5)
 
 
+CRASH = "crash"   # the killed run's deployment (train/crash), served by its own serve processes
+
+
+def _killed_run(factory) -> dict:
+    """A run of ``train/crash`` with overrides on a fresh repository copy: its train stage is killed (SIGKILL)
+    after a checkpoint, which the task's retry resumes; in that retry, after another checkpoint, its
+    ``flows.serve`` process is killed (SIGKILL) and a new one started. The run must die with it and be marked
+    Crashed by the server; ``prefect flow-run retry`` then completes it on the new serve process. Built once per
+    session in the background while other tests run (`support.prebuild`: its minute of waiting for missed
+    heartbeats costs nothing); its serve processes (their own deployment, so no other test's run lands on them)
+    are stopped before it returns."""
+    api = prebuild.get("prefect_api")
+    prefect = Prefect(dict(api.env), api.logs)          # the session's server, this build's own processes
+    try:
+        prefect.serving(CRASH)
+        repo = flow_repo(prebuild.get("reproduced_repo"), factory.mktemp("flow") / "repo",
+                         train={"epochs": 4, "checkpoint_every": 1})
+        before = snapshot(repo)
+        overrides = {"train.lr": 0.02, "flows.retries": 1, "flows.retry_delay_s": 1}
+        run = prefect.start_run(repo, overrides, "killed-run", deployment=f"train/{CRASH}")
+        ws = _workspace(repo, run)
+        # the workspace starts with the reproduced run's checkpoints (a `persist: true` output, checked out): wait
+        # for one of this run's training, past them
+        first = _wait_checkpoint(ws, max(_checkpoints(repo), default=0), run)
+        launcher = _train_launcher(ws)
+        tree = [launcher, *launcher.children(recursive=True)]
+        launcher.kill()
+        psutil.wait_procs(tree, timeout=30)
+        first = _checkpoints(ws)[-1]
+        _wait_checkpoint(ws, first, run)  # in the train task's retry
+        time.sleep(3)  # let the flow process ship the logs it has (batched every 0.5 s) before it dies
+        tree = _run_tree(ws)
+        prefect.procs[-1].kill()                         # the serve process running the flow
+        killed_at = time.monotonic()
+        left = _still_alive(tree, timeout=30)
+        left_in_ws = _in(ws)
+        second = _checkpoints(ws)[-1]
+        prefect.serving(CRASH)                           # the retry's serve process
+        text = run.communicate(timeout=ZOMBIE_AFTER_S + 300)[0]
+        crashed_after = time.monotonic() - killed_at
+        run_uuid = run_id(text)
+        crashed = {"rc": run.returncode, "out": text, "after_s": crashed_after, "left": left,
+                   "logs": prefect.logs_of(run_uuid), "left_in_ws": left_in_ws, "tree": len(tree),
+                   "state": prefect.flow_run(run_uuid)["state"]["type"],
+                   "workspace_kept": (ws / "checkpoints").is_dir()}
+        prefect.cli("flow-run", "retry", run_uuid)
+        final = prefect.wait_final(run_uuid)
+        return {"repo": repo, "ws": ws, "id": run_uuid, "first": first, "second": second, "crashed": crashed,
+                "final": final, "logs": prefect.logs_of(run_uuid), "before": before, "after": snapshot(repo)}
+    finally:
+        stop_group(prefect.procs)
+
+
+prebuild.register("killed_run", _killed_run)
+
+
 @pytest.fixture(scope="module")
-def killed_run(prefect, reproduced_repo, tmp_path_factory):
-    """A deployment run with overrides on a fresh repository copy: its train stage is killed (SIGKILL) after a
-    checkpoint, which the task's retry resumes; in that retry, after another checkpoint, the ``flows.serve``
-    process is killed (SIGKILL). The run must die with it and be marked Crashed by the server; a new serve
-    process and ``prefect flow-run retry`` then complete it."""
-    repo = flow_repo(reproduced_repo, tmp_path_factory.mktemp("flow") / "repo",
-                     train={"epochs": 4, "checkpoint_every": 1})
+def killed_run(prefect_api, reproduced_repo):
+    """`_killed_run`'s outcome (built in the background, or here if it has not started)."""
+    return prebuild.get("killed_run")
+
+
+def readme_exp_show() -> list[str]:
+    """The README's command for comparing experiments in 80 columns (its ``dvc exp show ... --drop ...`` line),
+    as argv."""
+    import shlex
+
+    lines = (REPO / "README.md").read_text().splitlines()
+    line = next(ln for ln in lines if ln.startswith("dvc exp show ") and " --drop " in ln)
+    return [sys.executable, "-m", *shlex.split(line)]
+
+
+def fits_80_columns(table: str) -> bool:
+    """No line wider than 80 characters and no column collapsed to an ellipsis."""
+    return bool(table.strip()) and max(len(ln) for ln in table.splitlines()) <= 80 and "…" not in table
+
+
+def _columns80(cmd: list[str], cwd: Path) -> str:
+    """Output of ``cmd`` run as in an 80-column terminal (``COLUMNS=80``)."""
+    proc = subprocess.run(cmd, cwd=cwd, env={**stage_env(), "COLUMNS": "80", "DVC_NO_ANALYTICS": "1"},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+@pytest.mark.slow
+def test_cancel_stops_training_and_leaves_workspace_as_it_was(prefect, reproduced_repo, tmp_path):
+    """``prefect flow-run cancel`` during training: the run ends Cancelled, every process of the run is gone
+    within 30 s, DVC leaves no lock, and the user's workspace is byte-identical to before the run."""
+    repo = flow_repo(reproduced_repo, tmp_path / "repo")
     before = snapshot(repo)
-    overrides = {"train.lr": 0.02, "flows.retries": 1, "flows.retry_delay_s": 1}
-    run = prefect.start_run(repo, overrides, "killed-run")
+    run = prefect.start_run(repo, {"train.epochs": 50, "train.checkpoint_every": 1}, "cancelled-run")
     ws = _workspace(repo, run)
-    # the workspace starts with the reproduced run's checkpoints (a `persist: true` output, checked out): wait
-    # for one of this run's training, past them
-    first = _wait_checkpoint(ws, max(_checkpoints(repo), default=0), run)
-    launcher = _train_launcher(ws)
-    tree = [launcher, *launcher.children(recursive=True)]
-    launcher.kill()
-    psutil.wait_procs(tree, timeout=30)
-    first = _checkpoints(ws)[-1]
-    _wait_checkpoint(ws, first, run)  # in the train task's retry
-    time.sleep(3)  # let the flow process ship the logs it has (batched every 0.5 s) before it dies
+    _wait_checkpoint(ws, max(_checkpoints(repo), default=0), run)      # past the checked-out ones
     tree = _run_tree(ws)
-    serve = prefect.procs[-1]
-    serve.kill()
-    killed_at = time.monotonic()
+    out_id = prefect.id_of("cancelled-run")
+    prefect.cli("flow-run", "cancel", out_id)
+    cancelled_at = time.monotonic()
     left = _still_alive(tree, timeout=30)
-    left_in_ws = _in(ws)
-    out = run.communicate(timeout=ZOMBIE_AFTER_S + 300)[0]
-    crashed_after = time.monotonic() - killed_at
-    run_uuid = run_id(out)
-    second = _checkpoints(ws)[-1]
-    crashed = {"rc": run.returncode, "out": out, "after_s": crashed_after, "logs": prefect.logs_of(run_uuid),
-               "state": prefect.flow_run(run_uuid)["state"]["type"], "left": left, "left_in_ws": left_in_ws,
-               "tree": len(tree), "workspace_kept": (ws / "checkpoints").is_dir()}
-    prefect.serve()
-    prefect.cli("flow-run", "retry", run_uuid)
-    final = prefect.wait_final(run_uuid)
-    return {"repo": repo, "ws": ws, "id": run_uuid, "first": first, "second": second, "crashed": crashed,
-            "final": final, "logs": prefect.logs_of(run_uuid), "before": before, "after": snapshot(repo)}
+    gone_after = time.monotonic() - cancelled_at
+    final = prefect.wait_final(out_id, timeout=120)
+    run.communicate(timeout=120)
+    assert final["state"]["type"] == "CANCELLED", final["state"]
+    assert len(tree) >= 4 and left == [] and _in(ws) == [], (left, gone_after)
+    # DVC was interrupted as by Ctrl-C: it ended through its own error path (which releases its lock)
+    train_log = _stage_segment(prefect.logs_of(out_id), "train")
+    assert re.search(r"ERROR: (failed to reproduce 'train'|interrupted by the user)", train_log), train_log[-3000:]
+    assert not ws.exists() and sh(["git", "worktree", "list"], repo).stdout.count("\n") == 1
+    assert snapshot(repo) == before
+    sh([sys.executable, "-m", "dvc", "status"], repo)  # DVC is usable in the user's workspace
+
+
+@pytest.mark.slow
+def test_sweep_runs_in_parallel_and_compares_in_80_columns(prefect, reproduced_repo, tmp_path):
+    """``sweep/main`` with a grid of 2 learning rates (``flows.max_parallel: 2``): the shared stages run once
+    before, both experiments' train stages overlap in time (log timestamps), both are DVC experiments with their
+    params, the README's ``dvc exp show`` command shows their AP, AP50 and train.lr in 80 columns without an
+    ellipsis, and the user's workspace is unchanged."""
+    repo = flow_repo(reproduced_repo, tmp_path / "repo")
+    apply_overrides(repo / "params.yaml", {"flows.max_parallel": 2, "train.epochs": 2})   # 4 iterations each
+    sh(["git", "commit", "-qam", "two experiments at once"], repo)
+    before = snapshot(repo)
+    params = {"grid": {"train.lr": [0.03, 0.04]}, "repo": str(repo)}
+    proc = subprocess.run([sys.executable, "-m", "prefect", "deployment", "run", "sweep/main", "--params",
+                           json.dumps(params), "--flow-run-name", "sweep1", "--watch", "--watch-interval", "2"],
+                          env=prefect.env, capture_output=True, text=True, timeout=1200, cwd=prefect.logs)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    shared = prefect.logs_of(prefect.id_of("sweep1-shared"))
+    assert "train" not in re.findall(r"repro --single-item (\w+)", shared), shared[-3000:]
+    spans = {}
+    for name in ("sweep1-0", "sweep1-1"):
+        logs = prefect.logs_of(prefect.id_of(name))
+        for stage in ("download", "convert", "augment"):
+            assert f"Running stage '{stage}'" not in _stage_segment(logs, stage), (name, stage)
+        train_log = _stage_segment(logs, "train")
+        assert "Running stage 'train'" in train_log, train_log[-3000:]
+        stamps = [m.group(0) for m in re.finditer(r"\b\d{2}:\d{2}:\d{2}\.\d+", train_log)]
+        spans[name] = (stamps[0], stamps[-1])
+    (a0, a1), (b0, b1) = spans.values()
+    assert a0 < b1 and b0 < a1, spans  # the two train stages overlap
+    exps = experiments(repo)
+    for name, lr in (("sweep1-0", 0.03), ("sweep1-1", 0.04)):
+        assert exps[name]["params"]["train"]["lr"] == lr and exps[name]["metrics"]["metrics/eval.json"]["bbox"]
+    assert snapshot(repo) == before
+
+    table = _columns80(readme_exp_show(), repo)
+    lines = table.splitlines()
+    assert fits_80_columns(table), table
+    header = next(ln for ln in lines if "Experiment" in ln)
+    assert re.search(r"\bAP\b", header) and "AP50" in header and "train.lr" in header, table
+    for name, lr in (("sweep1-0", "0.03"), ("sweep1-1", "0.04")):
+        row = next(ln for ln in lines if f"[{name}]" in ln)
+        assert lr in row, table
+    # the check catches a table that does not fit: the same command without its --drop
+    wide = _columns80(readme_exp_show()[:readme_exp_show().index("--drop")], repo)
+    assert not fits_80_columns(wide), wide
 
 
 @pytest.mark.slow
@@ -354,7 +466,7 @@ def test_run_outputs_result_and_experiment(prefect, killed_run):
     for rel in ("models/model.pt", "models/torch_export", "models/model.onnx", "data/cache"):
         out = result["outputs"][rel]
         assert out["md5"] == exp["outs"][rel] and Path(out["cache"]).is_file(), (rel, out, exp["outs"])
-    artifact = prefect.cli("artifact", "inspect", "train-results").stdout
+    artifact = prefect.artifact(run, "train-results")
     assert "killed-run" in artifact and result["outputs"]["models/model.onnx"]["md5"] in artifact
     assert "COCOeval" in _stage_segment(killed_run["logs"], "evaluate")  # stage output is in the run log
 
@@ -379,102 +491,3 @@ def test_watched_run_and_bad_overrides(prefect, killed_run, tmp_path):
     for bad, word in (({"train.lrr": 0.1}, "train.lrr"), ({"train.lr": -1}, "train.lr")):
         proc = prefect.cli("deployment", "run", "train/main", "--params", json.dumps({"overrides": bad}), check=False)
         assert proc.returncode != 0 and word in proc.stdout + proc.stderr, proc.stdout + proc.stderr
-
-
-@pytest.mark.slow
-def test_cancel_stops_training_and_leaves_workspace_as_it_was(prefect, killed_run, tmp_path):
-    """``prefect flow-run cancel`` during training: the run ends Cancelled, every process of the run is gone
-    within 30 s, DVC leaves no lock, and the user's workspace is byte-identical to before the run."""
-    repo = tmp_path / "repo"
-    shutil.copytree(killed_run["repo"], repo, symlinks=True)
-    before = snapshot(repo)
-    run = prefect.start_run(repo, {"train.epochs": 50, "train.checkpoint_every": 1}, "cancelled-run")
-    ws = _workspace(repo, run)
-    _wait_checkpoint(ws, max(_checkpoints(repo), default=0), run)      # past the checked-out ones
-    tree = _run_tree(ws)
-    out_id = prefect.id_of("cancelled-run")
-    prefect.cli("flow-run", "cancel", out_id)
-    cancelled_at = time.monotonic()
-    left = _still_alive(tree, timeout=30)
-    gone_after = time.monotonic() - cancelled_at
-    final = prefect.wait_final(out_id, timeout=120)
-    run.communicate(timeout=120)
-    assert final["state"]["type"] == "CANCELLED", final["state"]
-    assert len(tree) >= 4 and left == [] and _in(ws) == [], (left, gone_after)
-    # DVC was interrupted as by Ctrl-C: it ended through its own error path (which releases its lock)
-    train_log = _stage_segment(prefect.logs_of(out_id), "train")
-    assert re.search(r"ERROR: (failed to reproduce 'train'|interrupted by the user)", train_log), train_log[-3000:]
-    assert not ws.exists() and sh(["git", "worktree", "list"], repo).stdout.count("\n") == 1
-    assert snapshot(repo) == before
-    sh([sys.executable, "-m", "dvc", "status"], repo)  # DVC is usable in the user's workspace
-
-
-def readme_exp_show() -> list[str]:
-    """The README's command for comparing experiments (the ``dvc exp show`` line of section "Orchestration with
-    Prefect"), as argv."""
-    import shlex
-
-    text = (REPO / "README.md").read_text()
-    section = text[text.index("## Orchestration with Prefect"):text.index("## Team setup")]
-    line = next(ln for ln in section.splitlines() if ln.startswith("dvc exp show "))
-    return [sys.executable, "-m", *shlex.split(line)]
-
-
-def fits_80_columns(table: str) -> bool:
-    """No line wider than 80 characters and no column collapsed to an ellipsis."""
-    return bool(table.strip()) and max(len(ln) for ln in table.splitlines()) <= 80 and "…" not in table
-
-
-def _columns80(cmd: list[str], cwd: Path) -> str:
-    """Output of ``cmd`` run as in an 80-column terminal (``COLUMNS=80``)."""
-    proc = subprocess.run(cmd, cwd=cwd, env={**stage_env(), "COLUMNS": "80", "DVC_NO_ANALYTICS": "1"},
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout
-
-
-@pytest.mark.slow
-def test_sweep_runs_in_parallel_and_compares_in_80_columns(prefect, killed_run, tmp_path):
-    """``sweep/main`` with a grid of 2 learning rates (``flows.max_parallel: 2``): the shared stages run once
-    before, both experiments' train stages overlap in time (log timestamps), both are DVC experiments with their
-    params, the README's ``dvc exp show`` command shows their AP, AP50 and train.lr in 80 columns without an
-    ellipsis, and the user's workspace is unchanged."""
-    repo = tmp_path / "repo"
-    shutil.copytree(killed_run["repo"], repo, symlinks=True)
-    apply_overrides(repo / "params.yaml", {"flows.max_parallel": 2, "train.epochs": 2})   # 4 iterations each
-    sh(["git", "commit", "-qam", "two experiments at once"], repo)
-    before = snapshot(repo)
-    params = {"grid": {"train.lr": [0.03, 0.04]}, "repo": str(repo)}
-    proc = subprocess.run([sys.executable, "-m", "prefect", "deployment", "run", "sweep/main", "--params",
-                           json.dumps(params), "--flow-run-name", "sweep1", "--watch", "--watch-interval", "2"],
-                          env=prefect.env, capture_output=True, text=True, timeout=1200, cwd=prefect.logs)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    shared = prefect.logs_of(prefect.id_of("sweep1-shared"))
-    assert "train" not in re.findall(r"repro --single-item (\w+)", shared), shared[-3000:]
-    spans = {}
-    for name in ("sweep1-0", "sweep1-1"):
-        logs = prefect.logs_of(prefect.id_of(name))
-        for stage in ("download", "convert", "augment"):
-            assert f"Running stage '{stage}'" not in _stage_segment(logs, stage), (name, stage)
-        train_log = _stage_segment(logs, "train")
-        assert "Running stage 'train'" in train_log, train_log[-3000:]
-        stamps = [m.group(0) for m in re.finditer(r"\b\d{2}:\d{2}:\d{2}\.\d+", train_log)]
-        spans[name] = (stamps[0], stamps[-1])
-    (a0, a1), (b0, b1) = spans.values()
-    assert a0 < b1 and b0 < a1, spans  # the two train stages overlap
-    exps = experiments(repo)
-    for name, lr in (("sweep1-0", 0.03), ("sweep1-1", 0.04)):
-        assert exps[name]["params"]["train"]["lr"] == lr and exps[name]["metrics"]["metrics/eval.json"]["bbox"]
-    assert snapshot(repo) == before
-
-    table = _columns80(readme_exp_show(), repo)
-    lines = table.splitlines()
-    assert fits_80_columns(table), table
-    header = next(ln for ln in lines if "Experiment" in ln)
-    assert re.search(r"\bAP\b", header) and "AP50" in header and "train.lr" in header, table
-    for name, lr in (("sweep1-0", "0.03"), ("sweep1-1", "0.04")):
-        row = next(ln for ln in lines if f"[{name}]" in ln)
-        assert lr in row, table
-    # the check catches a table that does not fit: the same command without its --drop
-    wide = _columns80(readme_exp_show()[:readme_exp_show().index("--drop")], repo)
-    assert not fits_80_columns(wide), wide

@@ -8,7 +8,7 @@ the same images: val is a copy of the train JSON whose image and annotation ids 
 (``convert.val_annotations``), its files copies made byte-distinct by a JPEG comment (same pixels), so it is
 converted and cached like any explicit val split; it is converted and
 cached once per session (fixture ``learns_prepared``), and the clean training is the session fixture
-``fitted_workdir`` that tests/test_predict.py uses too. Measured figures and durations: README, "Proof it learns".
+``fitted_workdir`` that tests/test_predict.py uses too. Measured figures and durations: docs/evaluate.md, "Proof it learns".
 """
 from __future__ import annotations
 
@@ -20,9 +20,10 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import pytest
 
+from support import prebuild
 from support.pipeline import LEARNS_IMAGE_IDS, stage_cli
 
-# Set from measurement (README, "Proof it learns"): clean AP50 0.875 / AP 0.550; labels+1 0.174 / 0.075;
+# Set from measurement (docs/evaluate.md, "Proof it learns"): clean AP50 0.875 / AP 0.550; labels+1 0.174 / 0.075;
 # boxes*2 0.563 / 0.211 (the objects are large: doubled boxes clipped to the image still overlap them by IoU >= 0.5,
 # so AP50 alone cannot tell; AP over IoU .5:.95 does).
 AP50_MIN = 0.5
@@ -50,20 +51,39 @@ def corrupt_train_cache(work, how: str) -> None:
     tmp.replace(path)
 
 
+BROKEN = ("labels+1", "boxes*2")
+
+
+def _trained_on_broken_cache(how: str):
+    def build(factory):
+        """`learns_prepared` copied, its training cache corrupted (`corrupt_train_cache`), trained and evaluated
+        by the real stages."""
+        work = factory.mktemp("learns_broken") / "w"
+        shutil.copytree(prebuild.get("learns_prepared"), work)
+        corrupt_train_cache(work, how)
+        stage_cli("train", work, timeout=1800)
+        stage_cli("evaluate", work)
+        return work
+    return build
+
+
+for _how in BROKEN:     # trained in the background while other modules' tests run (`support.prebuild`)
+    prebuild.register(f"learns[{_how}]", _trained_on_broken_cache(_how), fixture="learns_broken")
+
+
+@pytest.fixture(scope="module")
+def learns_broken(learns_prepared):
+    """``how`` -> the work directory of `_trained_on_broken_cache` (built in the background, or on first use)."""
+    return lambda how: prebuild.get(f"learns[{how}]")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("broken", [None, "labels+1", "boxes*2"])
-def test_detector_fits_a_handful_of_images(request, learns_prepared, tmp_path, broken):
+@pytest.mark.parametrize("broken", [None, *BROKEN])
+def test_detector_fits_a_handful_of_images(request, learns_broken, broken):
     """Fits: AP50 >= AP50_MIN and AP >= AP_MIN on the training images; with a corrupted training cache one of
     them falls below its threshold. The clean case is the session fixture `fitted_workdir` (the same training and
     evaluation, shared with tests/test_predict.py)."""
-    if broken is None:
-        work = request.getfixturevalue("fitted_workdir")
-    else:
-        work = tmp_path / "w"
-        shutil.copytree(learns_prepared, work)
-        corrupt_train_cache(work, broken)
-        stage_cli("train", work, timeout=1800)
-        stage_cli("evaluate", work)
+    work = request.getfixturevalue("fitted_workdir") if broken is None else learns_broken(broken)
     metrics = json.loads((work / "metrics" / "eval.json").read_text())
     ap50, ap = metrics["bbox"]["AP50"], metrics["bbox"]["AP"]
     print(f"{broken or 'clean'}: AP50 {ap50:.3f}, AP {metrics['bbox']['AP']:.3f}")

@@ -16,7 +16,7 @@ import pytest
 import torch
 import yaml
 
-from support.pipeline import kill9_training_after, stage_cli, write_params
+from support.pipeline import kill9_training_after, stage_cli, stage_in_background, write_params
 from support.procs import stage_env
 
 
@@ -86,18 +86,17 @@ def test_kill9_and_sigterm_resume_is_bit_identical(cached_workdir, tmp_path):
     train.log_every_s seconds (plus one step)."""
     overrides = {"train": {"epochs": 5, "checkpoint_every": 1, "keep_last": 10, "log_every_s": 1}}
     straight = _copy(cached_workdir, tmp_path / "straight", overrides)
-    stage_cli("train", straight)
-
     killed = _copy(cached_workdir, tmp_path / "killed", overrides)
-    kill9_training_after(killed)
-    interrupted_at = len(_ckpts(killed))
+    with stage_in_background("train", straight):      # the uninterrupted run, on the other core
+        kill9_training_after(killed)
+        interrupted_at = len(_ckpts(killed))
+        time.sleep(1)  # workers die with their launcher (PR_SET_PDEATHSIG)
+        # resume, then SIGTERM once two progress lines were logged and a checkpoint past the resumed one exists
+        status, stderr = _sigterm_when(killed, tmp_path / "sigterm.log",
+                                       lambda text: len(_PROGRESS.findall(text)) >= 2
+                                       and int(_ckpts(killed)[-1].name[5:12]) > interrupted_at)
     final_iter = int(_ckpts(straight)[-1].name[5:12])
     assert interrupted_at < final_iter, "the kill came too late to test anything"
-    time.sleep(1)  # workers die with their launcher (PR_SET_PDEATHSIG)
-
-    # resume, then SIGTERM once two progress lines were logged and a checkpoint past the resumed one exists
-    status, stderr = _sigterm_when(killed, tmp_path / "sigterm.log", lambda text: len(_PROGRESS.findall(text)) >= 2
-                                   and int(_ckpts(killed)[-1].name[5:12]) > interrupted_at)
     assert "resuming from" in stderr
     assert status == 128 + signal.SIGTERM, stderr[-3000:]
     assert "Traceback" not in stderr, stderr[-3000:]

@@ -27,7 +27,8 @@ import psutil
 import pytest
 import yaml
 
-from support.prefect import run_id
+from support import prebuild
+from support.prefect import Prefect, run_id
 from support.procs import free_ports, run as sh, stop_group
 from support.repos import make_repo
 
@@ -90,9 +91,13 @@ def _worker(prefect, name: str, cwd: Path) -> subprocess.Popen:
     return proc
 
 
-def _register(prefect, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flows.serve", "--work-pool", "gpu", *args], env=prefect.env,
-                          capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parent.parent)
+def _register(prefect, *argsets: list[str]) -> list[subprocess.CompletedProcess]:
+    """``python -m flows.serve --work-pool gpu <args>`` for each of ``argsets``, all at once; their results."""
+    procs = [subprocess.Popen([sys.executable, "-m", "flows.serve", "--work-pool", "gpu", *args], env=prefect.env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              cwd=Path(__file__).resolve().parent.parent) for args in argsets]
+    outputs = [p.communicate(timeout=300) for p in procs]
+    return [subprocess.CompletedProcess(p.args, p.returncode, *out) for p, out in zip(procs, outputs)]
 
 
 def _run(prefect, deployment: str, overrides: dict, name: str, **params) -> str:
@@ -122,12 +127,14 @@ def _procs_of(run: str) -> list[psutil.Process]:
     return found
 
 
-@pytest.fixture(scope="module")
-def team(tmp_path_factory, s3_server, prefect_api):
+def _team(factory) -> dict:
     """The team (see the module docstring) and its runs: A, whose worker is killed after A's first pushed
     checkpoint and which is retried on the other worker; a run of a deployment whose DVC remote does not
-    answer (at the same time as A); then B, a run of ``train/team`` with other train params up to training."""
-    work = tmp_path_factory.mktemp("workers")
+    answer (at the same time as A); then B, a run of ``train/team`` with other train params up to training.
+    Built once per session, in the background while other modules' tests run (`support.prebuild`); the workers
+    are stopped before it returns (what the tests inspect is on the server and the remotes)."""
+    s3_server, prefect_api = prebuild.get("s3_server"), prebuild.get("prefect_api")
+    work = factory.mktemp("workers")
     origin = work / "origin.git"
     sh(["git", "init", "-q", "--bare", "-b", "main", str(origin)], work)
     repo = make_repo(work / "repo", train=TRAIN)
@@ -143,16 +150,17 @@ def team(tmp_path_factory, s3_server, prefect_api):
     sh(["git", "commit", "-qam", "remote nobody answers"], repo)
     sh(["git", "push", "-q", "origin", "deadremote"], repo)
 
-    prefect = prefect_api
-    first, env_before = len(prefect.procs), dict(prefect.env)
+    # the session's server, with the team's S3 credentials and its own processes (the workers)
+    prefect = Prefect({**prefect_api.env, **s3_server.env()}, prefect_api.logs)
     try:
-        prefect.env.update(s3_server.env())
         url = f"file://{origin}"
-        registered = _register(prefect, "--source", url, "--name", "team")
+        # the first registration creates the pool and the crash automation; the others then run at once
+        [registered] = _register(prefect, ["--source", url, "--name", "team"])
         assert registered.returncode == 0, registered.stdout + registered.stderr
-        assert _register(prefect, "--source", url, "--branch", "deadremote").returncode == 0
-        refused = _register(prefect, "--name", "team")       # the checkout under the same name train/team
         workers = {w: _worker(prefect, w, work / f"{w}-cwd") for w in ("w1", "w2")}
+        dead_reg, refused = _register(prefect, ["--source", url, "--branch", "deadremote"],
+                                      ["--name", "team"])   # the checkout under the same name train/team
+        assert dead_reg.returncode == 0, dead_reg.stdout + dead_reg.stderr
 
         a = _run(prefect, "train/team", A_OVERRIDES, "run-a")
         dead = _run(prefect, "train/deadremote", {}, "run-dead")
@@ -180,19 +188,24 @@ def team(tmp_path_factory, s3_server, prefect_api):
         prefect.cli("flow-run", "retry", a)
         final_a = prefect.wait_final(a, timeout=900)
         b = _run(prefect, "train/team", B_OVERRIDES, "run-b", upto="train")
-        yield {"work": work, "origin": origin, "bucket": bucket, "env": s3_server.env(), "prefect": prefect,
-               "s3": s3_server, "refused": refused, "a": a, "final_a": final_a, "result_a": prefect.result(a),
-               "logs_a": prefect.logs_of(a), "first_attempt": first_attempt, "training_at_kill": training,
-               "killed": killed, "left": left, "b": b, "final_b": prefect.wait_final(b, timeout=600),
-               "logs_b": prefect.logs_of(b),
-               "worker_logs": {w: (prefect.logs / f"{w}.log").read_text() for w in workers},
-               "dead": final_dead, "dead_s": dead_s, "dead_logs": prefect.logs_of(dead)}
+        return {"work": work, "origin": origin, "bucket": bucket, "env": s3_server.env(), "prefect": prefect,
+                "s3": s3_server, "refused": refused, "a": a, "final_a": final_a, "result_a": prefect.result(a),
+                "logs_a": prefect.logs_of(a), "first_attempt": first_attempt, "training_at_kill": training,
+                "killed": killed, "left": left, "b": b, "final_b": prefect.wait_final(b, timeout=600),
+                "logs_b": prefect.logs_of(b),
+                "worker_logs": {w: (prefect.logs / f"{w}.log").read_text() for w in workers},
+                "dead": final_dead, "dead_s": dead_s, "dead_logs": prefect.logs_of(dead)}
     finally:                                        # the workers; the server is the session's
-        for proc in prefect.procs[first:]:
-            stop_group(proc)
-        del prefect.procs[first:]
-        prefect.env.clear()
-        prefect.env.update(env_before)
+        stop_group(prefect.procs)
+
+
+prebuild.register("team", _team)
+
+
+@pytest.fixture(scope="module")
+def team(s3_server, prefect_api):
+    """`_team`'s runs and what they left (built in the background, or here if it has not started)."""
+    return prebuild.get("team")
 
 
 @pytest.mark.slow
@@ -229,7 +242,7 @@ def test_run_is_pulled_in_a_fresh_clone_and_equals_an_uninterrupted_run(team):
     assert result["dvc_remote"] == f"s3://{team['bucket']}/dvc"
     model = result["outputs"]["models/model.pt"]
     assert model["remote"] == f"s3://{team['bucket']}/dvc/files/md5/{model['md5'][:2]}/{model['md5'][2:]}"
-    artifact = team["prefect"].cli("artifact", "inspect", "train-results").stdout
+    artifact = team["prefect"].artifact(team["a"], "train-results")
     for text in (json.dumps(result), artifact):     # no path of the worker's temporary clone (tmp...prefect/)
         assert not re.search(r"tmp\w*prefect|\.dvc/(cache|tmp)|/files/md5/", text.replace(
             f"s3://{team['bucket']}/dvc/files/md5/", "S3")), text[:3000]

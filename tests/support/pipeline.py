@@ -1,11 +1,13 @@
 """Pipeline working copies for tests: tiny params, COCO128 subsets, the stages' own CLIs, trained models."""
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import yaml
 
@@ -140,6 +142,30 @@ def elastic_workdir(cached: Path, dest: Path, train: dict) -> Path:
     shutil.copytree(cached / "data", dest / "data")
     write_params(dest, {"train": {**ELASTIC_TRAIN, **train}})
     return dest
+
+
+@contextlib.contextmanager
+def stage_in_background(name: str, cwd: Path, timeout: float = 600) -> Iterator[subprocess.Popen]:
+    """Run ``python -m stages.<name>`` in ``cwd`` while the ``with`` block runs (an uninterrupted reference run
+    beside the one a test interrupts: with tiny params a stage keeps one core of two busy); leaving the block
+    waits for it and fails the test with its output unless it exited 0. Killed (its process group) if the
+    block raises."""
+    import os
+    import signal
+    import tempfile
+
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen([sys.executable, "-m", f"stages.{name}"], cwd=cwd, env=stage_env(), stdout=log,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        try:
+            yield proc
+            proc.wait(timeout=timeout)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        log.seek(0)
+        assert proc.returncode == 0, f"stages.{name} in {cwd} failed ({proc.returncode}):\n{log.read()[-3000:]}"
 
 
 def kill9_training_after(work: Path, checkpoint: str = "ckpt-0000002.pt", timeout_s: float = 300) -> None:

@@ -1,11 +1,14 @@
 """Processes and ports for tests: one free-port helper, one run-and-check helper, one stopper."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -33,12 +36,23 @@ def free_port(host: str = "127.0.0.1") -> int:
     return free_ports(1, host)[0]
 
 
+_thread = threading.local()
+
+
+def use_env(env: dict[str, str]) -> None:
+    """Make `stage_env` in the calling thread start from ``env`` instead of ``os.environ`` (a background thread
+    building fixtures keeps the session's environment while tests change theirs)."""
+    _thread.env = dict(env)
+
+
 def stage_env(extra: dict | None = None, drop: tuple[str, ...] = ()) -> dict:
-    """The environment for subprocesses of tests: this one without torchrun's rank variables, the repository
+    """The environment for subprocesses of tests: this one (or the thread's, `use_env`) without torchrun's rank
+    variables, the repository
     on ``PYTHONPATH`` (``python -m stages.X`` outside the root), this interpreter's ``bin/`` first on ``PATH``
     (``python``, ``dvc``, ``torchrun`` in dvc.yaml's commands), analytics off, a git identity; then ``extra``
     added and the names in ``drop`` removed."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    base = getattr(_thread, "env", None) or os.environ
+    env = {k: v for k, v in base.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
     env.setdefault("AWS_EC2_METADATA_DISABLED", "true")
@@ -62,16 +76,25 @@ def run(cmd: list[str], cwd: Path, env: dict | None = None, check: bool = True, 
     return proc
 
 
-def stop_group(proc: subprocess.Popen, term_s: float = 20, kill_s: float = 10) -> None:
-    """SIGTERM ``proc``'s process group (it was started with ``start_new_session=True``), SIGKILL it after
-    ``term_s`` seconds; returns once ``proc`` is reaped or ``kill_s`` more seconds passed."""
+def stop_group(procs: subprocess.Popen | list[subprocess.Popen], term_s: float = 20, kill_s: float = 10) -> None:
+    """SIGTERM the process group of each of ``procs`` (started with ``start_new_session=True``) at once, SIGKILL
+    the groups still there after ``term_s`` seconds; returns once every one of ``procs`` is reaped or ``kill_s``
+    more seconds passed. Stopping them together costs the slowest one's shutdown, not the sum."""
+    procs = [procs] if isinstance(procs, subprocess.Popen) else list(procs)
     for sig, wait in ((signal.SIGTERM, term_s), (signal.SIGKILL, kill_s)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
+        deadline = time.monotonic() + wait
+        procs = [p for p in procs if not _reaped(p, deadline)]
+        if not procs:
             return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+
+
+def _reaped(proc: subprocess.Popen, deadline: float) -> bool:
+    """Whether ``proc`` exits (and is reaped) before the monotonic ``deadline``."""
+    try:
+        proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        return True
+    except subprocess.TimeoutExpired:
+        return False
