@@ -99,7 +99,7 @@ def make_learns_workdir(work: Path) -> dict:
         "convert": {"annotations": "annotations/train.json", "images": "images",
                     "val_annotations": "annotations/val.json", "val_images": "val_images"},
         "train": {"model": "ssdlite320_mobilenet_v3_large", "epochs": LEARNS_ITERATIONS, "batch_size": n,
-                  "lr": 0.05, "warmup_iters": 5, "weight_decay": 0.0, "hflip": 0.0, "threads": 0,
+                  "lr": 0.05, "warmup_iters": 5, "weight_decay": 0.0, "hflip": 0.0, "threads": 1,
                   "checkpoint_every": LEARNS_ITERATIONS, "log_every": LEARNS_ITERATIONS},
         "evaluate": {"batch_size": n, "num_plot_images": 0}})
     return train

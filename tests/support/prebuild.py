@@ -12,7 +12,8 @@ A fixture asks for its value with `get`: built already, it is returned; being bu
 fixture waits for it; not started yet, it is built right there (in the foreground) and the background thread
 skips it. A build that raised re-raises in every test that asks for it. The background thread runs its
 subprocesses with the environment the session had when the queue was scheduled (`support.procs.use_env`), so a
-test's ``monkeypatch.setenv`` never leaks into a fixture; they carry the run's reaper token like everything else.
+test's ``monkeypatch.setenv`` never leaks into a fixture, and with ``OMP_NUM_THREADS=1`` (the background has one
+core); they carry the run's reaper token like everything else.
 Builds register what must be undone at the end of the session with `at_exit` (run by `finish`).
 """
 from __future__ import annotations
@@ -82,7 +83,9 @@ def schedule(names: list[str]) -> threading.Thread | None:
 
 
 def _background(env: dict[str, str]) -> None:
-    procs.use_env(env)
+    # One intra-op thread for what the background starts (evaluate, export, ...: torch's default is one per
+    # core): two OpenMP teams spinning on two cores slow each other down many times over.
+    procs.use_env({**env, "OMP_NUM_THREADS": "1"})
     while True:
         with _lock:
             job = next((_jobs[n] for n in _order if not _jobs[n].started), None)
