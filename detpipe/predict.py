@@ -201,7 +201,7 @@ def prepare(data: bytes, name: str, cfg: params_mod.Augment) -> Prepared:
         u8 = decode_images([torch.frombuffer(bytearray(encode_pixels(chw, cfg)), dtype=torch.uint8)])[0]
     else:
         u8 = torch.from_numpy(chw)
-    image = u8.to(torch.float32).mul_(1.0 / 255)
+    image = u8.to(torch.float32, memory_format=torch.contiguous_format).mul_(1.0 / 255)  # as the loader does
     return Prepared(image, torch.from_numpy(pixels).permute(2, 0, 1), (h / oh, w / ow))
 
 
