@@ -124,7 +124,7 @@ for _name, _build in (("learns_prepared", _learns_prepared), ("fitted_workdir", 
 # test_workers' team, test_learns' trainings on corrupted caches), then any other registered build; the session
 # fixtures the first test files need at once (cached_workdir, s3_server) are built by those tests, never queued.
 PREBUILT = ("reproduced_repo", "prefect_api", "two_rank_workdir", "trained_workdir", "killed_run", "fitted_workdir",
-            "team", "learns[labels+1]", "learns[boxes*2]")
+            "learns[labels+1]", "learns[boxes*2]", "team")   # test_workers comes last
 BUILT_FIRST_BY_TESTS = ("cached_workdir", "s3_server")
 
 
