@@ -18,7 +18,6 @@ even a SIGKILLed one (`support.reaper`).
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 from pathlib import Path
@@ -81,18 +80,14 @@ def _reproduced_repo(factory) -> Path:
 def _prefect_api(factory):
     from support.prefect import prefect_server
 
-    stack = contextlib.ExitStack()
-    prebuild.at_exit(stack.close)              # the server stops at the end of the session
-    return stack.enter_context(prefect_server(factory.mktemp("prefect_home")))
+    return prebuild.enter(prefect_server(factory.mktemp("prefect_home")))    # stopped at the end of the session
 
 
 def _s3_server(factory):
     from support.s3server import running_s3_server
 
     os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
-    stack = contextlib.ExitStack()
-    prebuild.at_exit(stack.close)              # the server stops at the end of the session
-    return stack.enter_context(running_s3_server(factory.mktemp("s3server")))
+    return prebuild.enter(running_s3_server(factory.mktemp("s3server")))     # stopped at the end of the session
 
 
 def _learns_prepared(factory) -> Path:

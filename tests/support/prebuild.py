@@ -18,6 +18,7 @@ Builds register what must be undone at the end of the session with `at_exit` (ru
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from typing import Any, Callable
@@ -114,6 +115,14 @@ def at_exit(undo: Callable[[], None]) -> None:
     """Call ``undo`` at the end of the session (`finish`), after the tests; the last registered runs first."""
     with _lock:
         _exits.append(undo)
+
+
+def enter(context):
+    """Enter context manager ``context`` (a server) and return what it yields; it is exited at the end of the
+    session (`at_exit`)."""
+    stack = contextlib.ExitStack()
+    at_exit(stack.close)
+    return stack.enter_context(context)
 
 
 def finish() -> None:
