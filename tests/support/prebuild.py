@@ -63,8 +63,12 @@ def registered() -> dict[str, str]:
 
 
 def set_factory(factory: Any) -> None:
-    """The session's ``tmp_path_factory``, handed to every build."""
+    """The session's ``tmp_path_factory``, handed to every build. Its base directory is created here, in the main
+    thread: pytest creates it lazily on first use and that is not thread-safe (a build's ``mktemp`` racing a test's
+    ``tmp_path`` made two base directories; ``mktemp`` then raised "... is not a normalized and relative path" —
+    one CI run lost 10 tests to it; 1 in 20 two-thread tries reproduced it)."""
     global _factory
+    factory.getbasetemp()
     _factory = factory
 
 
