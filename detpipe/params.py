@@ -158,6 +158,7 @@ class Train(_Section):
     rdzv_id: Optional[str] = Field(default=None, pattern=r"^[A-Za-z0-9_.-]+$", description='Job id of the rendezvous (torchrun --rdzv-id), the same on every node; null = $SLURM_JOB_ID under Slurm, else derived from the params.')
     rdzv_join_timeout_s: int = Field(default=600, ge=1, description='Seconds a (re)starting node waits for at least MIN nodes to join the rendezvous before the job fails.')
     rdzv_last_call_s: int = Field(default=30, ge=0, description='Seconds the rendezvous waits for more nodes (up to MAX) once MIN have joined.')
+    socket_ifname: Optional[str] = Field(default=None, pattern=r"^[A-Za-z0-9_.:,^-]+$", description='Network interface(s) of the workers\' gloo / NCCL traffic between nodes, e.g. eth1 (exported as GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME); null = torch\'s choice from the hostname (a loopback endpoint uses lo). Set it on a cluster whose hostname does not resolve to the address the other nodes reach.')
     collective_timeout_s: float = Field(default=600, gt=0, description='Seconds a collective (all-reduce, barrier) may wait for its peers before the worker fails with one line naming the lost rank and host, so that torchrun restarts the group from the newest checkpoint instead of hanging on a node that dropped off the network (torch defaults: gloo 30 min, nccl 10 min). Must exceed the longest time ranks wait for rank 0 alone (evaluation with eval_every, a checkpoint write).')
     launcher: Literal["local", "slurm"] = Field(default="local", description='local: run torchrun here; slurm: submit the job with sbatch, stream its log, wait, scancel it when this stage is stopped.')
     slurm_partition: Optional[str] = Field(default=None, description='Slurm partition (sbatch --partition); null = the cluster default.')
@@ -166,6 +167,8 @@ class Train(_Section):
     slurm_cpus_per_task: int = Field(default=0, ge=0, description='CPU cores per agent (sbatch --cpus-per-task); 0 = not set.')
     slurm_extra: list[str] = Field(default_factory=list, description='Extra sbatch options, one per item, e.g. "--gres=gpu:8" or "--account=proj".')
     k8s_image: str = Field(default="detpipe:latest", description='Container image of the Kubernetes manifest (python -m stages.train --emit k8s).')
+    k8s_pvc: Optional[str] = Field(default=None, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", description='Name of a ReadWriteMany PersistentVolumeClaim the Kubernetes manifest mounts at checkpoints/ in every pod (checkpoints must be shared: rank 0 writes them, any pod may resume); null = none (the manifest then refuses nnodes > 1).')
+    k8s_gpus: int = Field(default=0, ge=0, description='GPUs each Kubernetes pod requests (resources.limits nvidia.com/gpu; normally nproc_per_node); 0 = none (CPU pods).')
 
     @field_validator("amp", mode="before")
     @classmethod

@@ -44,7 +44,8 @@ log = logging.getLogger("detpipe.launch.torchrun")
 # Train params that only say how the job is launched: they change neither what is trained nor its result.
 LAUNCH_ONLY = frozenset({"nnodes", "rdzv_endpoint", "max_restarts", "rdzv_id", "rdzv_join_timeout_s",
                          "rdzv_last_call_s", "launcher", "slurm_partition", "slurm_time", "slurm_tasks_per_node",
-                         "slurm_cpus_per_task", "slurm_extra", "k8s_image", "collective_timeout_s"})
+                         "slurm_cpus_per_task", "slurm_extra", "k8s_image", "k8s_pvc", "k8s_gpus",
+                         "collective_timeout_s", "socket_ifname"})
 
 COLLECTIVE_TIMEOUT_ENV = "DETPIPE_COLLECTIVE_TIMEOUT_S"
 """Environment variable carrying ``train.collective_timeout_s`` (seconds) to the workers
@@ -137,9 +138,14 @@ def torchrun_args(cfg, module: str, endpoint: str, run_id: str, nproc_per_node: 
 def launch_env(cfg) -> dict[str, str]:
     """Environment variables the launcher sets for the workers: ``OMP_NUM_THREADS`` (``train.threads`` or 1:
     what torchrun itself defaults to for more than one worker per node), ``PYTHONUNBUFFERED=1`` (log lines
-    reach the job log as they happen) and `COLLECTIVE_TIMEOUT_ENV` (``train.collective_timeout_s``, seconds)."""
-    return {"OMP_NUM_THREADS": str(cfg.threads or 1), "PYTHONUNBUFFERED": "1",
-            COLLECTIVE_TIMEOUT_ENV: f"{cfg.collective_timeout_s:g}"}
+    reach the job log as they happen), `COLLECTIVE_TIMEOUT_ENV` (``train.collective_timeout_s``, seconds) and, when
+    ``train.socket_ifname`` is set, ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` (the interface of the workers'
+    traffic between nodes)."""
+    env = {"OMP_NUM_THREADS": str(cfg.threads or 1), "PYTHONUNBUFFERED": "1",
+           COLLECTIVE_TIMEOUT_ENV: f"{cfg.collective_timeout_s:g}"}
+    if getattr(cfg, "socket_ifname", None):
+        env.update({"GLOO_SOCKET_IFNAME": cfg.socket_ifname, "NCCL_SOCKET_IFNAME": cfg.socket_ifname})
+    return env
 
 
 def bind_listener(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
@@ -281,6 +287,6 @@ def launch_local(cfg, module: str, nproc_per_node: int | None = None) -> None:
     host = endpoint.rsplit(":", 1)[0]
     if is_loopback(host) and sys.platform.startswith("linux"):
         # the workers' own gloo / NCCL sockets on the loopback interface too (unless the user chose one)
-        env.update({k: "lo" for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if k not in os.environ})
+        env.update({k: "lo" for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if k not in os.environ and k not in env})
     argv = torchrun_args(cfg, module, endpoint, default_run_id(cfg), nproc_per_node, is_endpoint_host(host))
     run_torchrun(argv, env, ready)
