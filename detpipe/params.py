@@ -167,8 +167,8 @@ class Train(_Section):
     slurm_cpus_per_task: int = Field(default=0, ge=0, description='CPU cores per agent (sbatch --cpus-per-task); 0 = not set.')
     slurm_extra: list[str] = Field(default_factory=list, description='Extra sbatch options, one per item, e.g. "--gres=gpu:8" or "--account=proj".')
     k8s_image: str = Field(default="detpipe:latest", description='Container image of the Kubernetes manifest (python -m stages.train --emit k8s).')
-    k8s_pvc: Optional[str] = Field(default=None, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", description='Name of a ReadWriteMany PersistentVolumeClaim the Kubernetes manifest mounts at checkpoints/ in every pod (checkpoints must be shared: rank 0 writes them, any pod may resume); null = none (the manifest then refuses nnodes > 1).')
-    k8s_gpus: int = Field(default=0, ge=0, description='GPUs each Kubernetes pod requests (resources.limits nvidia.com/gpu; normally nproc_per_node); 0 = none (CPU pods).')
+    k8s_pvc: Optional[str] = Field(default=None, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", description='Name of a ReadWriteMany PersistentVolumeClaim the Kubernetes manifest mounts in every pod at checkpoints/, models/ and dvclive/ (subPaths of those names: rank 0 writes them from whichever pod it runs in, any pod may resume); null = none: the manifest then refuses nnodes MAX > 1, and for one pod warns that the outputs are lost with the container.')
+    k8s_gpus: int = Field(default=0, ge=0, description='GPUs each Kubernetes pod requests (resources limits and requests nvidia.com/gpu); 0 = none (CPU pods). Else at least nproc_per_node (one worker process per GPU: fewer is refused, more warns of idle GPUs).')
 
     @field_validator("amp", mode="before")
     @classmethod

@@ -218,7 +218,8 @@ def test_emitted_job_runs_the_local_launchers_command(tmp_path, monkeypatch, kin
     from detpipe.launch.jobs import emit, launch_args
 
     write_params(tmp_path, {"train": {"nnodes": "2:4", "nproc_per_node": 8, "max_restarts": 5, "threads": 2,
-                                      "rdzv_endpoint": "10.1.2.3:29500", "slurm_extra": ["--gres=gpu:8"]}})
+                                      "rdzv_endpoint": "10.1.2.3:29500", "slurm_extra": ["--gres=gpu:8"],
+                                      "k8s_pvc": "detpipe-shared"}})
     monkeypatch.chdir(tmp_path)  # what `python -m stages.train --emit KIND` prints there (tests/test_slurm.py runs it)
     cfg = load("train", tmp_path / "params.yaml")
     text = emit(cfg, kind)
@@ -235,7 +236,8 @@ def test_emitted_job_runs_the_local_launchers_command(tmp_path, monkeypatch, kin
         assert argv[argv.index("--rdzv-endpoint") + 1] == f"{name}-worker-0:29500"
         assert argv[argv.index("--rdzv-id") + 1] == name
         assert job["spec"]["elasticPolicy"] == {"rdzvBackend": "c10d", "minReplicas": 2, "maxReplicas": 4,
-                                                "maxRestarts": 5, "nProcPerNode": 8}
+                                                "maxRestarts": 5}
+        assert job["spec"]["nprocPerNode"] == "8"
         assert worker["replicas"] == 4
     else:
         (srun,) = [l for l in text.splitlines() if l.startswith("srun ")]
