@@ -242,7 +242,7 @@ def test_emitted_job_runs_the_local_launchers_command(tmp_path, monkeypatch, kin
     else:
         (srun,) = [l for l in text.splitlines() if l.startswith("srun ")]
         words = shlex.split(srun)
-        argv = words[words.index("torch.distributed.run") + 1:]
+        argv = words[words.index("detpipe.launch.torchrun") + 1:]  # torchrun through our agent (is_host decided there)
         assert argv[argv.index("--rdzv-endpoint") + 1] == "${RDZV_HOST}:29500"
         assert argv[argv.index("--rdzv-id") + 1] == "${SLURM_JOB_ID}"
         (export,) = [l for l in text.splitlines() if l.startswith("export ")]

@@ -28,6 +28,9 @@ from detpipe.launch.torchrun import parse_nnodes
 log = logging.getLogger("detpipe.launch.slurm")
 
 LOG_DIR = "logs"
+AGENT_MODULE = "detpipe.launch.torchrun"
+"""What ``srun`` starts on each node: torchrun's agent with this project's networking and lifetime fixes
+(`detpipe.launch.torchrun.main`)."""
 # JobState values after which the job will not run again (a requeued job goes back to PENDING instead).
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
                 "BOOT_FAIL", "DEADLINE", "SPECIAL_EXIT"}
@@ -61,13 +64,15 @@ def sbatch_script(cfg, torchrun_argv: list[str], env: dict[str, str], workdir: P
     opts += [f"--cpus-per-task={cfg.slurm_cpus_per_task}"] if cfg.slurm_cpus_per_task else []
     opts += list(cfg.slurm_extra)
     exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items()))
-    torchrun = " ".join([shlex.quote(sys.executable), "-m", "torch.distributed.run"] +
-                        [_shell_word(a) for a in torchrun_argv])
+    torchrun = " ".join([shlex.quote(sys.executable), "-m", AGENT_MODULE] + [_shell_word(a) for a in torchrun_argv])
     lines = ["#!/bin/bash", *(f"#SBATCH {o}" for o in opts),
              "# Written by `python -m stages.train --emit slurm` for the current params.yaml (docs/multi-node.md).",
              "set -euo pipefail",
              f"export {exports}",
-             'RDZV_HOST=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+             'FIRST_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+             "# the address Slurm itself reaches the node at (NodeAddr; the node's name when none is configured)",
+             'RDZV_HOST=$(scontrol show node -o "$FIRST_NODE" | tr " " "\\n" | sed -n "s/^NodeAddr=//p")',
+             'RDZV_HOST=${RDZV_HOST:-$FIRST_NODE}',
              'echo "slurm job $SLURM_JOB_ID (start $((${SLURM_RESTART_COUNT:-0} + 1))) on $SLURM_JOB_NODELIST,'
              ' rendezvous on $RDZV_HOST"',
              f"srun --kill-on-bad-exit=0 --ntasks-per-node={cfg.slurm_tasks_per_node} {torchrun}", ""]

@@ -276,7 +276,7 @@ def launch_local(cfg, module: str, nproc_per_node: int | None = None) -> None:
     torchrun starts. More nodes: ``cfg.rdzv_endpoint``; start the same command, with the same params, on every
     node (or use `detpipe.launch.slurm` / `detpipe.launch.k8s`). With a loopback endpoint the workers' gloo and NCCL sockets
     use the loopback interface as well (``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` = ``lo``, Linux). Whether
-    this node hosts the rendezvous store is decided here (`is_endpoint_host`) and passed as ``is_host``."""
+    this node hosts the rendezvous store, and the address it is reached at, are decided here (`node_args`)."""
     ready, env = {}, launch_env(cfg)
     if parse_nnodes(cfg.nnodes)[1] == 1:
         sock = bind_listener("127.0.0.1", 0)
@@ -288,5 +288,76 @@ def launch_local(cfg, module: str, nproc_per_node: int | None = None) -> None:
     if is_loopback(host) and sys.platform.startswith("linux"):
         # the workers' own gloo / NCCL sockets on the loopback interface too (unless the user chose one)
         env.update({k: "lo" for k in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if k not in os.environ and k not in env})
-    argv = torchrun_args(cfg, module, endpoint, default_run_id(cfg), nproc_per_node, is_endpoint_host(host))
+    argv = node_args(torchrun_args(cfg, module, endpoint, default_run_id(cfg), nproc_per_node), cfg.socket_ifname)
     run_torchrun(argv, env, ready)
+
+
+
+def node_address(endpoint_host: str, ifname: str | None = None) -> str | None:
+    """This machine's address as the other nodes of the job reach it: the first IPv4 (else IPv6) address of
+    interface ``ifname`` (``train.socket_ifname``) when given, else the source address of this machine's route to
+    ``endpoint_host`` (a UDP socket connected there: no packet is sent), else None (the host does not resolve,
+    no route). Raises `StageError` when ``ifname`` is not an interface of this machine or has no address."""
+    if ifname:
+        addrs = psutil.net_if_addrs().get(ifname.split(",")[0])
+        if addrs is None:
+            raise StageError(f"params.yaml: train.socket_ifname {ifname!r}: no such interface here "
+                             f"(interfaces: {', '.join(sorted(psutil.net_if_addrs()))})")
+        for family in (socket.AF_INET, socket.AF_INET6):
+            for a in addrs:
+                if a.family == family:
+                    return a.address.split("%")[0]
+        raise StageError(f"params.yaml: train.socket_ifname {ifname!r}: the interface has no IP address")
+    try:
+        info = socket.getaddrinfo(endpoint_host, 9, proto=socket.IPPROTO_UDP)[0]
+        with socket.socket(info[0], socket.SOCK_DGRAM) as s:
+            s.connect(info[4])
+            return s.getsockname()[0]
+    except OSError:
+        return None
+
+
+def node_args(argv: list[str], ifname: str | None = None) -> list[str]:
+    """torchrun arguments ``argv`` completed for this node (what the job description, written before the node
+    is known, cannot say):
+
+    * ``is_host=true|false`` in ``--rdzv-conf`` (added when missing), decided by `is_endpoint_host` for
+      ``--rdzv-endpoint``'s host: torch's own hostname match misses an address the hostname does not resolve to;
+    * ``--local-addr`` (when missing): `node_address` — the address the workers' bootstrap store, hosted by the
+      agent that gets rank 0, is published and listens at. torch publishes ``socket.getfqdn()`` instead, which
+      other nodes may not resolve (or resolve to 127.0.1.1) and then never reach.
+
+    Raises `StageError` when there is no ``--rdzv-endpoint`` or ``ifname`` is unusable (`node_address`)."""
+    argv = list(argv)
+    if "--rdzv-endpoint" not in argv:
+        raise StageError("torchrun arguments without --rdzv-endpoint HOST:PORT")
+    at = argv.index("--rdzv-endpoint")
+    host = argv[at + 1].rsplit(":", 1)[0]
+    decision = f"is_host={str(is_endpoint_host(host)).lower()}"
+    if "--rdzv-conf" not in argv:
+        argv[at:at] = ["--rdzv-conf", decision]
+    elif "is_host=" not in argv[argv.index("--rdzv-conf") + 1]:
+        i = argv.index("--rdzv-conf") + 1
+        argv[i] = f"{argv[i]},{decision}" if argv[i] else decision
+    if "--local-addr" not in argv:
+        address = host if is_loopback(host) else node_address(host, ifname)
+        if address:
+            argv[argv.index("--rdzv-endpoint"):argv.index("--rdzv-endpoint")] = ["--local-addr", address]
+    return argv
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m detpipe.launch.torchrun <torchrun arguments>``: one node's torchrun agent as a job script starts
+    it (the Slurm script's ``srun``): torchrun itself, plus what `launch_local` gives a local launch: the
+    arguments completed for this node (`node_args`, with ``$GLOO_SOCKET_IFNAME``, which the script exports from
+    ``train.socket_ifname``), a store at an IP address listening on that address only, restarted nodes able to
+    rejoin (`agent_fixes`), the workers bound to this process's life, and a failed job as one ``error: ...``
+    line with exit status 2 (`detpipe.errors.run_program`)."""
+    from detpipe.errors import run_program
+
+    raw = sys.argv[1:] if argv is None else argv
+    run_program(lambda: run_torchrun(node_args(raw, os.environ.get("GLOO_SOCKET_IFNAME"))), stage="train")
+
+
+if __name__ == "__main__":
+    main()

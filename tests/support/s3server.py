@@ -90,9 +90,12 @@ def log_tail(log: Path, n: int = 20) -> str:
 
 
 @contextlib.contextmanager
-def running_s3_server(workdir: Path | str, attempts: int = 3) -> Iterator[S3Server]:
+def running_s3_server(workdir: Path | str, attempts: int = 3, host: str = "127.0.0.1",
+                      popen=subprocess.Popen) -> Iterator[S3Server]:
     """Start ``weed mini`` with its data under ``workdir``, wait until a bucket can be created and listed,
     yield an `S3Server`, and stop the process (SIGTERM, then SIGKILL after `STOP_TIMEOUT_S` s) at the end.
+    Every port binds ``host`` only (an address of the machine ``popen`` starts it on: ``popen(cmd, **kwargs)``
+    like `subprocess.Popen`, e.g. a test cluster's host, `support.netns_cluster.Cluster.popen`).
 
     A start that fails (e.g. a port taken between choosing and binding it) is retried with new ports up to
     ``attempts`` times. Raises RuntimeError (with the server log's tail) when it never becomes ready.
@@ -115,7 +118,7 @@ def running_s3_server(workdir: Path | str, attempts: int = 3) -> Iterator[S3Serv
         log = workdir / f"weed{attempt}.log"
         (master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc, admin,
          admin_grpc) = free_ports(10)
-        cmd = [weed, "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+        cmd = [weed, "mini", f"-dir={data}", f"-ip={host}", f"-ip.bind={host}",
                "-master.telemetry=false", "-webdav=false", "-admin.ui=false",
                "-s3.port.iceberg=0", "-s3.port.lance=0", "-volume.preStopSeconds=0",
                "-master.volumeSizeLimitMB=64",
@@ -128,9 +131,9 @@ def running_s3_server(workdir: Path | str, attempts: int = 3) -> Iterator[S3Serv
                f"-s3.localSocket={workdir / f's3-{attempt}.sock'}",       # not /tmp/seaweedfs-*.sock
                f"-filer.localSocket={workdir / f'filer-{attempt}.sock'}"]
         with open(log, "wb") as logf:
-            proc = subprocess.Popen(cmd, cwd=data, stdout=logf, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
-        server = S3Server(endpoint_url=f"http://127.0.0.1:{s3}", access_key=access_key,
+            proc = popen(cmd, cwd=data, stdout=logf, stderr=subprocess.STDOUT,
+                         stdin=subprocess.DEVNULL, start_new_session=True)
+        server = S3Server(endpoint_url=f"http://{host}:{s3}", access_key=access_key,
                           secret_key=secret_key, workdir=workdir)
         try:
             deadline = time.monotonic() + START_TIMEOUT_S

@@ -1,0 +1,153 @@
+"""Training across hosts of a real (small) cluster: network namespaces on a bridge (tests/support/netns_cluster.py),
+each with its own address in 198.18.0.0/15 and hostname; Slurm (``slurmctld`` on ``ctl``, a ``slurmd`` on each of
+``c1`` ``c2`` ``c3``), the augmentation cache streamed from the SeaweedFS S3 server on ``st``
+(``train.cache_url``), checkpoints on the shared filesystem (the hosts share this machine's files, as NFS would).
+
+What a user does on a real cluster, and the faults real clusters have: the same training started with plain
+torchrun on two hosts and submitted through Slurm (``train.launcher: slurm``) ends with the same weights, bit
+for bit, as a 2-rank run on one machine; a host's processes SIGKILLed (elastic: the job goes on without it,
+every sample once per epoch), a cut link (no TCP reset: the collective timeout turns the hang into a restart,
+the log names the lost host), a Slurm node set DOWN (the job is requeued and resumes from its checkpoints), the
+stage stopped (the job is cancelled, ``squeue`` empty).
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from support import netns_cluster
+from support.netns_cluster import squeue
+from support.pipeline import elastic_workdir
+from support.procs import stage_env
+from support.s3server import running_s3_server
+from support.slurm_cluster import slurm_available
+
+_why_not = netns_cluster.netns_available() or slurm_available()
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(_why_not is not None, reason=str(_why_not))]
+
+PORT = 29400          # the rendezvous port (each host has its own network stack: no clash with this machine's)
+IFNAME = "eth0"       # the hosts' cluster interface (train.socket_ifname)
+RECOVERY_S = 60       # a fault must have been turned into a resumed training within this many seconds
+
+
+class Cluster:
+    """The module's cluster: `hosts` (`support.netns_cluster.Cluster`), `slurm` (environment of the Slurm
+    commands), `s3` (the server on ``st``), `cache_url` (the cache uploaded there), `data` (a workdir's data/
+    without its cache)."""
+
+    def __init__(self, hosts, slurm, s3, cache_url, data):
+        self.hosts, self.slurm, self.s3, self.cache_url, self.data = hosts, slurm, s3, cache_url, data
+
+    def workdir(self, dest: Path, **train) -> Path:
+        """A run folder reading the cache from ``st``, with `support.pipeline.ELASTIC_TRAIN` params + ``train``."""
+        work = elastic_workdir(self.data, dest, {"cache_url": self.cache_url, "socket_ifname": IFNAME,
+                                                 "rdzv_endpoint": f"{self.hosts.addr('c1')}:{PORT}", **train})
+        return work
+
+    def env(self, extra: dict | None = None) -> dict:
+        return stage_env({**self.s3.env(), "SLURM_CONF": self.slurm["SLURM_CONF"], **(extra or {})})
+
+    def start(self, host: str, work: Path, log: Path, extra: dict | None = None) -> subprocess.Popen:
+        """``python -m stages.train`` in ``work`` on ``host``, output to ``log``."""
+        return self.hosts.popen(host, [sys.executable, "-m", "stages.train"], cwd=work, env=self.env(extra),
+                                stdout=open(log, "ab"), stderr=subprocess.STDOUT)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, cached_workdir):
+    root = tmp_path_factory.mktemp("cluster")
+    data = root / "data-only"
+    shutil.copytree(cached_workdir / "data", data / "data", ignore=shutil.ignore_patterns("cache"))
+    # the loader reads the cache's meta.json next to the shards: the cache goes to the bucket whole
+    with netns_cluster.network(["ctl", "c1", "c2", "c3", "st"]) as hosts, \
+            netns_cluster.slurm(hosts, root / "slurm", ["c1", "c2", "c3"]) as slurm, \
+            running_s3_server(root / "s3", host=hosts.addr("st"),
+                              popen=lambda cmd, **kw: hosts.popen("st", cmd, **kw)) as s3:
+        bucket = s3.create_bucket()
+        s3.filesystem().put(str(cached_workdir / "data/cache"), f"{bucket}/cache", recursive=True)
+        port = s3.endpoint_url.rsplit(":", 1)[1]
+        url = f"s3://{bucket}/cache?endpoint_override={hosts.addr('st')}:{port}&scheme=http"
+        yield Cluster(hosts, slurm, s3, url, data)
+
+
+def _ckpts(work: Path) -> list[Path]:
+    return sorted((work / "checkpoints").glob("ckpt-*.pt"))
+
+
+def _wait_for(check, procs: list[subprocess.Popen], what: str, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert all(p.poll() is None for p in procs), f"training ended before {what}"
+        assert time.monotonic() < deadline, f"no {what} after {timeout} s"
+        time.sleep(0.1)
+
+
+def _finish(procs: list[subprocess.Popen], logs: list[Path], timeout: float = 300) -> list[str]:
+    for p in procs:
+        p.wait(timeout=timeout)
+    texts = [log.read_text(errors="replace") for log in logs]
+    for p, text in zip(procs, texts):
+        assert p.returncode == 0, text[-4000:]
+    return texts
+
+
+def _same_weights(a_dir: Path, b_dir: Path) -> int:
+    a = torch.load(a_dir / "models/model.pt", weights_only=True)
+    b = torch.load(b_dir / "models/model.pt", weights_only=True)
+    assert a["iters"] == b["iters"]
+    for k in b["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    return a["iters"]
+
+
+def _log_time(text: str, pattern: str) -> float:
+    """The time (seconds since the epoch, this machine's clock) of the first log line matching ``pattern``."""
+    m = re.search(rf"^(\d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d,\d{{3}}) .*{pattern}", text, re.M)
+    assert m, f"no log line matching {pattern!r}"
+    return time.mktime(time.strptime(m.group(1)[:19], "%Y-%m-%d %H:%M:%S")) + int(m.group(1)[20:]) / 1000
+
+
+def test_two_hosts_by_hand_and_through_slurm_train_bit_identical(cluster, tmp_path, two_rank_workdir):
+    """2 nodes as a user starts them on two machines (plain torchrun: ``python -m stages.train`` on c1 and c2,
+    ``nnodes: 2``, the endpoint at c1's address), and the same params submitted through Slurm from the login
+    host (``launcher: slurm``): the rendezvous store listens on c1's cluster address only (not 0.0.0.0, not
+    127.0.0.1), gloo runs on eth0, the cache streams from the storage host, and both end with weights equal bit
+    for bit to each other and to the 2-rank run on one machine with the cache on disk."""
+    hosts = cluster.hosts
+    work = cluster.workdir(tmp_path / "plain", nnodes=2)
+    logs = [tmp_path / "c1.log", tmp_path / "c2.log"]
+    procs = [cluster.start("c1", work, logs[0]), cluster.start("c2", work, logs[1])]
+    listening: list[str] = []
+
+    def store_up() -> bool:
+        listening[:] = [l for l in hosts.listening("c1") if l.split()[0].endswith(f":{PORT}")]
+        return bool(listening)
+
+    _wait_for(store_up, procs, "rendezvous store on c1")
+    assert [l.split()[0] for l in listening] == [f"{hosts.addr('c1')}:{PORT}"], listening
+    assert not [l for l in hosts.listening("c2") if l.split()[0].endswith(f":{PORT}")]
+    texts = _finish(procs, logs)
+    assert "rank 0/2" in "".join(texts) and "rank 1/2" in "".join(texts)
+    assert f"--local-addr {hosts.addr('c1')}" in texts[0] and "is_host=true" in texts[0]
+    assert f"--local-addr {hosts.addr('c2')}" in texts[1] and "is_host=false" in texts[1]
+    assert not (work / "data/cache").exists()  # streamed from st, never copied into the run folder
+    assert _same_weights(work, two_rank_workdir) == 4
+
+    slurm = cluster.workdir(tmp_path / "slurm", nnodes=2, launcher="slurm",
+                            rdzv_endpoint=f"anything:{PORT}")          # under Slurm only the port is used
+    proc = hosts.run("ctl", [sys.executable, "-m", "stages.train"], cwd=slurm, env=cluster.env(), timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert re.search(r"slurm job \d+ \(start 1\) on c\[1-2\], rendezvous on " + re.escape(hosts.addr("c1")),
+                     proc.stdout), proc.stdout[-2000:]
+    assert "rank 0/2" in proc.stdout and "rank 1/2" in proc.stdout
+    assert _same_weights(slurm, two_rank_workdir) == 4
+    assert not squeue(cluster.slurm).strip()
