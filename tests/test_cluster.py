@@ -12,6 +12,7 @@ stage stopped (the job is cancelled, ``squeue`` empty).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
@@ -25,11 +26,10 @@ import pytest
 import torch
 
 from support import netns_cluster
-from support.netns_cluster import squeue
+from support.netns_cluster import slurm_available, squeue
 from support.pipeline import elastic_workdir
 from support.procs import stage_env
 from support.s3server import running_s3_server
-from support.slurm_cluster import slurm_available
 
 _why_not = netns_cluster.netns_available() or slurm_available()
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(_why_not is not None, reason=str(_why_not))]
@@ -151,3 +151,134 @@ def test_two_hosts_by_hand_and_through_slurm_train_bit_identical(cluster, tmp_pa
     assert "rank 0/2" in proc.stdout and "rank 1/2" in proc.stdout
     assert _same_weights(slurm, two_rank_workdir) == 4
     assert not squeue(cluster.slurm).strip()
+
+
+def _samples_once(samples: Path, text: str) -> None:
+    """Every sample of the interrupted epoch trained on exactly once (ranks' sample logs: `DETPIPE_SAMPLE_LOG`),
+    the epochs after it whole at world size 1 (the 9-image split: 8 per epoch at 2 images x 1 or 2 ranks)."""
+    resumed = re.findall(r"resuming from .*\(iteration (\d+)\)", text)
+    assert len(resumed) == 1, "expected one restart: " + str(resumed)
+    at = int(resumed[0])
+    rows = [json.loads(l) for f in samples.glob("*.jsonl") for l in f.read_text().splitlines()]
+    trained = [r for r in rows if (r["world_size"] == 2 and r["iter"] < at) or r["world_size"] == 1]
+    for epoch in sorted({r["epoch"] for r in trained}):
+        ids = [i for r in trained if r["epoch"] == epoch for i in r["image_ids"]]
+        assert len(ids) == len(set(ids)) == 8, (epoch, sorted(ids))
+
+
+def test_killed_host_the_job_goes_on_without_it(cluster, tmp_path):
+    """``nnodes: 1:2`` on c1 and c2; every process of c2 SIGKILLed after the first checkpoint (the machine lost its
+    power; its sockets are reset by nobody): torchrun's elastic restart (not Slurm's: plain torchrun here) goes
+    on with c1 alone from the newest checkpoint within `RECOVERY_S`, and every sample is trained on once per
+    epoch."""
+    work = cluster.workdir(tmp_path / "w", nnodes="1:2", rdzv_last_call_s=5, max_restarts=1, epochs=3)
+    samples = tmp_path / "samples"
+    samples.mkdir()
+    logs = [tmp_path / "c1.log", tmp_path / "c2.log"]
+    env = {"DETPIPE_SAMPLE_LOG": str(samples)}
+    procs = [cluster.start("c1", work, logs[0], env), cluster.start("c2", work, logs[1], env)]
+    _wait_for(lambda: (work / "checkpoints/ckpt-0000001.pt").exists(), procs, "a first checkpoint")
+    assert torch.load(work / "checkpoints/ckpt-0000001.pt", weights_only=True)["world_size"] == 2
+    killed = time.time()
+    cluster.hosts.kill("c2")
+    procs[1].wait(timeout=30)
+    (text,) = _finish(procs[:1], logs[:1])
+    assert _log_time(text, "resuming from") - killed < RECOVERY_S
+    assert "rank 0/1" in text
+    _samples_once(samples, text)
+    assert torch.load(work / "models/model.pt", weights_only=True)["iters"] > 6
+    _nothing_left(cluster)
+
+
+def test_cut_link_times_out_and_the_job_goes_on(cluster, tmp_path):
+    """``nnodes: 1:2``; c2's link set down after the first checkpoint, in the middle of the all-reduces: no TCP
+    reset, c2 just stops answering. With ``collective_timeout_s: 5`` c1's worker fails its collective after
+    5 s naming the lost host (c2), torchrun restarts the group without c2 (its rendezvous heartbeats stopped)
+    and the training finishes from the newest checkpoint within `RECOVERY_S`. (Without the timeout gloo waits
+    30 min: tests/test_distributed.py shows a frozen peer blocking the others.)"""
+    work = cluster.workdir(tmp_path / "w", nnodes="1:2", rdzv_last_call_s=5, max_restarts=1, epochs=4,
+                           collective_timeout_s=5)
+    logs = [tmp_path / "c1.log", tmp_path / "c2.log"]
+    procs = [cluster.start("c1", work, logs[0]), cluster.start("c2", work, logs[1])]
+    try:
+        _wait_for(lambda: (work / "checkpoints/ckpt-0000001.pt").exists(), procs, "a first checkpoint")
+        cut = time.time()
+        cluster.hosts.link("c2", up=False)
+        (text,) = _finish(procs[:1], logs[:1], timeout=RECOVERY_S * 3)
+    finally:
+        cluster.hosts.kill("c2")      # c2's agent is still waiting for a store it cannot reach
+        cluster.hosts.link("c2", up=True)
+    lost = re.search(r"error: rank \d/2 \(host c1 pid \d+\): a collective timed out after 5 s "
+                     r"\(train.collective_timeout_s\) - no answer from rank \d \(host c2 pid \d+\)", text)
+    assert lost, text[-3000:]
+    assert 5 <= _log_time(text, "resuming from") - cut < RECOVERY_S
+    assert "rank 0/1" in text and torch.load(work / "models/model.pt", weights_only=True)["iters"] > 6
+    _nothing_left(cluster)
+
+
+def _scontrol(cluster: Cluster, *args: str) -> str:
+    proc = subprocess.run(["scontrol", *args], env=cluster.slurm, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_slurm_node_down_requeues_and_resumes(cluster, tmp_path):
+    """A 2-node Slurm job (``nnodes: 2``: it cannot go on with one); one of its nodes set DOWN by the admin
+    (``scontrol update state=down``) after the first checkpoint: Slurm ends the job and requeues it
+    (``--requeue``), it starts again on two nodes that are up (start 2) and resumes from the newest checkpoint;
+    the stage, which followed the job, exits 0 with the whole run's log."""
+    work = cluster.workdir(tmp_path / "w", nnodes=2, launcher="slurm", epochs=6)
+    out = tmp_path / "stage.log"
+    stage = cluster.hosts.popen("ctl", [sys.executable, "-m", "stages.train"], cwd=work, env=cluster.env(),
+                                stdout=open(out, "wb"), stderr=subprocess.STDOUT)
+    try:
+        _wait_for(lambda: (work / "checkpoints/ckpt-0000001.pt").exists(), [stage], "a first checkpoint")
+        (job,) = [line.split() for line in squeue(cluster.slurm).splitlines()]
+        assert job[1] == "RUNNING", job
+        node = "c2" if "c2" in _scontrol(cluster, "show", "hostnames", job[2]) else "c1"
+        down = time.time()
+        _scontrol(cluster, "update", f"nodename={node}", "state=down", "reason=test_cluster")
+        assert stage.wait(timeout=RECOVERY_S * 4) == 0, out.read_text()[-4000:]
+    finally:
+        subprocess.run(["scontrol", "update", "nodename=c1,c2,c3", "state=resume"], env=cluster.slurm,
+                       capture_output=True)
+        if stage.poll() is None:
+            stage.send_signal(signal.SIGTERM)
+            stage.wait(timeout=120)
+    text = out.read_text()
+    starts = re.findall(r"slurm job (\d+) \(start (\d)\) on (\S+),", text)
+    assert [s[1] for s in starts] == ["1", "2"] and starts[0][0] == starts[1][0] == job[0], starts
+    assert node not in _scontrol(cluster, "show", "hostnames", starts[1][2])   # started again without it
+    assert len(re.findall(r"resuming from .*\(iteration (\d+)\)", text)) == 1
+    assert _log_time(text, "resuming from") - down < RECOVERY_S + 30   # + Slurm's requeue delay (cred_expire)
+    assert torch.load(work / "models/model.pt", weights_only=True)["iters"] == 12
+    _nothing_left(cluster)
+
+
+def test_sigterm_to_the_stage_cancels_the_slurm_job(cluster, tmp_path):
+    """The train stage following a 2-node Slurm job is stopped (SIGTERM: how a cancelled Prefect run stops its
+    stage): the job is cancelled (``scancel``), ``squeue`` lists nothing, no training process is left on any
+    host, and no model is written."""
+    work = cluster.workdir(tmp_path / "w", nnodes=2, launcher="slurm", epochs=200)
+    out = tmp_path / "stage.log"
+    stage = cluster.hosts.popen("ctl", [sys.executable, "-m", "stages.train"], cwd=work, env=cluster.env(),
+                                stdout=open(out, "wb"), stderr=subprocess.STDOUT)
+    _wait_for(lambda: (work / "checkpoints/ckpt-0000001.pt").exists(), [stage], "a first checkpoint")
+    (job,) = [line.split() for line in squeue(cluster.slurm).splitlines()]
+    stage.send_signal(signal.SIGTERM)
+    assert stage.wait(timeout=120) == 128 + signal.SIGTERM
+    text = out.read_text()
+    assert f"SIGTERM: cancelling slurm job {job[0]}" in text and "error: interrupted by SIGTERM" in text
+    assert not squeue(cluster.slurm).strip()
+    _nothing_left(cluster)
+    assert not (work / "models/model.pt").exists()
+
+
+def _nothing_left(cluster: Cluster) -> None:
+    """No process but the Slurm daemons is left on a compute host."""
+    left = {}
+    for host in ("c1", "c2", "c3"):
+        for pid in set(cluster.hosts.pids(host)) - cluster.hosts.daemons:
+            with contextlib.suppress(OSError):
+                left[pid] = (host, Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:200])
+    assert not left, left

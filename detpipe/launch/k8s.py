@@ -2,7 +2,8 @@
 same torchrun arguments as a local launch.
 
 One Worker pod per node (``train.nnodes``: MIN..MAX replicas through ``elasticPolicy``); each pod's container
-runs ``python -m torch.distributed.run <args> -m stages.train`` in `WORKDIR` (the repository inside
+runs ``python -m detpipe.launch.torchrun <args> -m stages.train`` (torchrun's agent completed on the node: its
+rendezvous host decision and address, `detpipe.launch.torchrun.node_args`) in `WORKDIR` (the repository inside
 ``train.k8s_image``, built from the repository's Dockerfile) with the c10d rendezvous on pod ``<job>-worker-0``
 (the operator gives every replica a DNS name) at the port of ``train.rdzv_endpoint`` and the job name as
 rendezvous id. The operator recreates failed pods (``restartPolicy: OnFailure``); torchrun restarts the worker
@@ -21,7 +22,7 @@ import logging
 import yaml
 
 from detpipe.errors import StageError
-from detpipe.launch.torchrun import parse_nnodes
+from detpipe.launch.torchrun import AGENT_MODULE, parse_nnodes
 from detpipe.paths import CKPT_DIR, LIVE_DIR, MODELS_DIR
 
 log = logging.getLogger("detpipe.launch.k8s")
@@ -99,7 +100,7 @@ def pytorchjob(cfg, job: str, torchrun_argv: list[str], env: dict[str, str]) -> 
         "name": "pytorch",  # the operator expects this container name
         "image": cfg.k8s_image,
         "workingDir": WORKDIR,
-        "command": ["python", "-m", "torch.distributed.run", *torchrun_argv],
+        "command": ["python", "-m", AGENT_MODULE, *torchrun_argv],
         "env": [{"name": k, "value": v} for k, v in sorted(env.items())],
         "ports": [{"name": "c10d", "containerPort": int(torchrun_argv[torchrun_argv.index("--rdzv-endpoint") + 1]
                                                         .rsplit(":", 1)[1])}],

@@ -23,14 +23,11 @@ from pathlib import Path
 
 from detpipe.errors import Interrupted, StageError
 from detpipe.files import atomic_write_bytes
-from detpipe.launch.torchrun import parse_nnodes
+from detpipe.launch.torchrun import AGENT_MODULE, parse_nnodes
 
 log = logging.getLogger("detpipe.launch.slurm")
 
 LOG_DIR = "logs"
-AGENT_MODULE = "detpipe.launch.torchrun"
-"""What ``srun`` starts on each node: torchrun's agent with this project's networking and lifetime fixes
-(`detpipe.launch.torchrun.main`)."""
 # JobState values after which the job will not run again (a requeued job goes back to PENDING instead).
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
                 "BOOT_FAIL", "DEADLINE", "SPECIAL_EXIT"}
@@ -58,8 +55,11 @@ def sbatch_script(cfg, torchrun_argv: list[str], env: dict[str, str], workdir: P
     lo, hi = lo // tasks, hi // tasks
     workdir = Path(workdir).resolve()
     opts = ["--job-name=detpipe-train", f"--nodes={lo}" if lo == hi else f"--nodes={lo}-{hi}",
-            f"--ntasks-per-node={cfg.slurm_tasks_per_node}", f"--time={cfg.slurm_time}", "--requeue", "--no-kill",
+            f"--ntasks-per-node={cfg.slurm_tasks_per_node}", f"--time={cfg.slurm_time}", "--requeue",
             "--open-mode=append", f"--chdir={workdir}", f"--output={workdir}/{LOG_DIR}/slurm-%j.out"]
+    # an elastic job goes on without a failed node (torchrun admits MIN); a fixed-size one cannot: Slurm ends it
+    # and, with --requeue, starts it again on nodes that are up
+    opts += ["--no-kill"] if lo < hi else []
     opts += [f"--partition={cfg.slurm_partition}"] if cfg.slurm_partition else []
     opts += [f"--cpus-per-task={cfg.slurm_cpus_per_task}"] if cfg.slurm_cpus_per_task else []
     opts += list(cfg.slurm_extra)

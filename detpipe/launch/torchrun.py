@@ -47,6 +47,10 @@ LAUNCH_ONLY = frozenset({"nnodes", "rdzv_endpoint", "max_restarts", "rdzv_id", "
                          "slurm_cpus_per_task", "slurm_extra", "k8s_image", "k8s_pvc", "k8s_gpus",
                          "collective_timeout_s", "socket_ifname"})
 
+AGENT_MODULE = "detpipe.launch.torchrun"
+"""What job scripts start on each node (Slurm's ``srun``, the Kubernetes pods): torchrun's agent completed on the
+node, with this project's networking and lifetime fixes (`main`)."""
+
 COLLECTIVE_TIMEOUT_ENV = "DETPIPE_COLLECTIVE_TIMEOUT_S"
 """Environment variable carrying ``train.collective_timeout_s`` (seconds) to the workers
 (`detpipe.launch.distributed.setup_distributed` reads it)."""
@@ -150,9 +154,13 @@ def launch_env(cfg) -> dict[str, str]:
 
 def bind_listener(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
     """A listening TCP socket on ``host:port`` (an IP address or ``localhost``; port 0: a free one). Raises
-    `OSError` if the port is taken."""
+    `OSError` if the port is taken (another socket listens there). ``SO_REUSEADDR``, as torch's own store server
+    sets it: without it, a node that hosted the store and starts again within TCP's TIME_WAIT (60 s on Linux;
+    Slurm requeues the job onto the same first node) cannot bind the port, takes it for another agent's store,
+    joins it as a client and waits for nobody until the rendezvous times out."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
         sock.listen(4096)
     except OSError:

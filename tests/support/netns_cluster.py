@@ -59,6 +59,13 @@ def netns_available() -> str | None:
     return None if made.returncode == 0 else f"cannot create a network namespace: {made.stderr.strip()}"
 
 
+def slurm_available() -> str | None:
+    """None when the Slurm and munge programs are installed, else what is missing."""
+    missing = [b for b in ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "scancel", "sinfo")
+               if not shutil.which(b) and not Path(f"/usr/sbin/{b}").exists()]
+    return f"not installed: {', '.join(missing)} (apt-get install slurm-wlm munge; .ci/run does)" if missing else None
+
+
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     proc = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
     if check and proc.returncode != 0:
@@ -129,6 +136,7 @@ class Cluster:
     hosts: list[str]
     root_if: str
     procs: list[subprocess.Popen] = field(default_factory=list)
+    daemons: set[int] = field(default_factory=set)
 
     def ns(self, host: str) -> str:
         """The network namespace of ``host``."""
@@ -167,8 +175,14 @@ class Cluster:
         return _pids(self.ns(host))
 
     def kill(self, host: str) -> None:
-        """SIGKILL every process on ``host``: the machine lost its power."""
-        _kill_all(self.ns(host))
+        """SIGKILL every process on ``host`` but the cluster's daemons (`daemons`: its ``slurmd``): the machine
+        lost its power, and the next test finds it back in the cluster."""
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while (pids := set(self.pids(host)) - self.daemons) and time.monotonic() < deadline:
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.1)
 
     def listening(self, host: str) -> list[str]:
         """``ss -Htlnp`` inside ``host``'s namespace: ``local address:port`` and process of each listening TCP
@@ -226,14 +240,16 @@ def _exe(name: str) -> str:
 
 
 @contextlib.contextmanager
-def slurm(cluster: Cluster, root: Path, computes: list[str], cpus: int = 2) -> Iterator[dict]:
+def slurm(cluster: Cluster, root: Path, computes: list[str], cpus: int = 2, cred_expire_s: int = 10) -> Iterator[dict]:
     """munged (here), ``slurmctld`` on host ``ctl`` and a ``slurmd`` on each of ``computes``, state under
     ``root``; yield the environment (``SLURM_CONF``) of the Slurm commands (they work from any host and from this
     process). Jobs are cancelled and the daemons stopped at the end.
 
-    Nodes: ``NodeName=cN NodeAddr=<its address>`` with ``cpus`` CPUs each; ``ReturnToService=2`` (a node that was
-    DOWN and registers again is usable); ``JobRequeue=1`` with ``--requeue`` jobs put back in the queue when a
-    node fails under them."""
+    Nodes: ``NodeName=cN NodeAddr=<its address>`` with ``cpus`` CPUs each; ``ReturnToService=1`` (a node DOWN
+    because it did not respond is usable again when its slurmd registers; one an admin set DOWN stays DOWN until
+    ``state=resume``); ``JobRequeue=1`` with ``--requeue`` jobs put back in the queue when a
+    node fails under them; a requeued job becomes eligible ``cred_expire_s`` seconds later (Slurm waits until the
+    job's old step credentials have expired: ``AuthInfo=cred_expire``, 120 s by default; short here)."""
     root = Path(root)
     for d in ("state", "spool", "log"):
         (root / d).mkdir(parents=True, exist_ok=True)
@@ -252,7 +268,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={sock}
+AuthInfo=socket={sock},cred_expire={cred_expire_s}
 StateSaveLocation={root}/state
 SlurmdSpoolDir={root}/spool/%n
 SlurmctldPidFile={root}/slurmctld.pid
@@ -269,7 +285,7 @@ MpiDefault=none
 SchedulerType=sched/builtin
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
-ReturnToService=2
+ReturnToService=1
 JobRequeue=1
 MinJobAge=600
 KillWait=5
@@ -293,6 +309,7 @@ PartitionName=test Nodes={','.join(computes)} Default=YES MaxTime=INFINITE State
             (root / "spool" / c).mkdir(exist_ok=True)
             daemons.append(cluster.popen(c, [_exe("slurmd"), "-D", "-f", conf, "-N", c], env=env,
                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            cluster.daemons.add(daemons[-1].pid)   # nsenter, unshare and sh exec: the pid is slurmd's
 
         def idle() -> bool:
             out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], env=env, capture_output=True, text=True).stdout

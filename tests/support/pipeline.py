@@ -131,7 +131,7 @@ def recalibrated_model(work: Path):
     return model, ckpt
 
 
-# Elastic and Slurm tests (tests/test_elastic.py, tests/test_slurm.py): 9 training images, 2 per micro-batch,
+# Elastic and cluster tests (tests/test_elastic.py, tests/test_cluster.py): 9 training images, 2 per micro-batch,
 # a checkpoint per iteration: 2 iterations per epoch with 2 ranks, 4 with 1.
 ELASTIC_TRAIN = {"epochs": 2, "batch_size": 2, "checkpoint_every": 1, "keep_last": 50, "threads": 1,
                  "warmup_iters": 1}
