@@ -282,3 +282,40 @@ def _nothing_left(cluster: Cluster) -> None:
             with contextlib.suppress(OSError):
                 left[pid] = (host, Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:200])
     assert not left, left
+
+
+def test_cancelled_prefect_run_cancels_its_slurm_job(cluster, prefect_api, reproduced_repo, tmp_path):
+    """A Prefect run of ``train/<deployment>`` whose train stage uses ``launcher: slurm`` (a 2-node job on the
+    cluster, the run's workspace on the shared filesystem), cancelled while the job trains: the run ends
+    Cancelled, the job is cancelled (``scancel``), ``squeue`` lists nothing, no process is left on any host."""
+    from support.prefect import Prefect
+    from support.procs import stop_group
+    from support.repos import flow_repo
+
+    prefect = Prefect({**prefect_api.env, **cluster.s3.env(), "SLURM_CONF": cluster.slurm["SLURM_CONF"]},
+                      prefect_api.logs)
+    try:
+        prefect.serving("slurm")
+        repo = flow_repo(reproduced_repo, tmp_path / "repo", train={
+            "launcher": "slurm", "nnodes": 2, "rdzv_endpoint": f"x:{PORT}", "socket_ifname": IFNAME,
+            "epochs": 100, "checkpoint_every": 1, "threads": 1})
+        run = prefect.start_run(repo, None, "slurm-cancelled", deployment="train/slurm")
+        jobs: list[list[str]] = []
+
+        def training() -> bool:
+            jobs[:] = [line.split() for line in squeue(cluster.slurm).splitlines()]
+            return bool(jobs) and jobs[0][1] == "RUNNING" and any((repo / ".dvc/tmp/runs").glob("*/checkpoints/ckpt-*"))
+
+        _wait_for(training, [run], "a Slurm job writing checkpoints")
+        prefect.cli("flow-run", "cancel", prefect.id_of("slurm-cancelled"))
+        final = prefect.wait_final(prefect.id_of("slurm-cancelled"), timeout=120)
+        run.communicate(timeout=120)
+        assert final["state"]["type"] == "CANCELLED", final["state"]
+        deadline = time.monotonic() + 30
+        while squeue(cluster.slurm).strip() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not squeue(cluster.slurm).strip()
+        assert f"cancelling slurm job {jobs[0][0]}" in prefect.logs_of(prefect.id_of("slurm-cancelled"))
+        _nothing_left(cluster)
+    finally:
+        stop_group(prefect.procs)

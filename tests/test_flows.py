@@ -25,7 +25,7 @@ import pytest
 from support import prebuild
 from support.prefect import ZOMBIE_AFTER_S, Prefect, run_id
 from support.procs import REPO, run as sh, stage_env, stop_group
-from support.repos import clone_with_cache, snapshot
+from support.repos import flow_repo, snapshot
 
 import yaml
 
@@ -137,19 +137,6 @@ def prefect(prefect_api):
     finally:
         stop_group(prefect_api.procs[first:])
         del prefect_api.procs[first:]
-
-
-def flow_repo(reproduced_repo: Path, dest: Path, train: dict | None = None) -> Path:
-    """A copy of the session's reproduced repository (its DVC cache holds every stage's outputs) with ``train``
-    params and an ONNX-only export (``export.torch_export: false``: torch.export is most of the stage's time, and
-    tests/test_export.py checks it), committed: a run of it skips download, convert and augment."""
-    work = clone_with_cache(reproduced_repo, dest)
-    params = yaml.safe_load((work / "params.yaml").read_text())
-    params["train"].update(train or {})
-    params["export"]["torch_export"] = False
-    (work / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    sh(["git", "commit", "-qam", "flow test params"], work)
-    return work
 
 
 def experiments(repo: Path) -> dict[str, dict]:

@@ -7,6 +7,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import yaml
+
 from support.pipeline import make_coco_subset, write_params
 from support.procs import REPO, run
 
@@ -52,6 +54,19 @@ def clone_with_cache(src: Path, dest: Path) -> Path:
             shutil.copy2(a, b)
     shutil.copytree(src, dest, symlinks=True, copy_function=link_or_copy)
     return dest
+
+
+def flow_repo(reproduced_repo: Path, dest: Path, train: dict | None = None) -> Path:
+    """A copy of the session's reproduced repository (its DVC cache holds every stage's outputs) with ``train``
+    params and an ONNX-only export (``export.torch_export: false``: torch.export is most of the stage's time, and
+    tests/test_export.py checks it), committed: a run of it skips download, convert and augment."""
+    work = clone_with_cache(reproduced_repo, dest)
+    params = yaml.safe_load((work / "params.yaml").read_text())
+    params["train"].update(train or {})
+    params["export"]["torch_export"] = False
+    (work / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    run(["git", "commit", "-qam", "flow test params"], work)
+    return work
 
 
 def snapshot(repo: Path) -> dict[str, str]:
