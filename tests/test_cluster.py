@@ -255,25 +255,6 @@ def test_slurm_node_down_requeues_and_resumes(cluster, tmp_path):
     _nothing_left(cluster)
 
 
-def test_sigterm_to_the_stage_cancels_the_slurm_job(cluster, tmp_path):
-    """The train stage following a 2-node Slurm job is stopped (SIGTERM: how a cancelled Prefect run stops its
-    stage): the job is cancelled (``scancel``), ``squeue`` lists nothing, no training process is left on any
-    host, and no model is written."""
-    work = cluster.workdir(tmp_path / "w", nnodes=2, launcher="slurm", epochs=200)
-    out = tmp_path / "stage.log"
-    stage = cluster.hosts.popen("ctl", [sys.executable, "-m", "stages.train"], cwd=work, env=cluster.env(),
-                                stdout=open(out, "wb"), stderr=subprocess.STDOUT)
-    _wait_for(lambda: (work / "checkpoints/ckpt-0000001.pt").exists(), [stage], "a first checkpoint")
-    (job,) = [line.split() for line in squeue(cluster.slurm).splitlines()]
-    stage.send_signal(signal.SIGTERM)
-    assert stage.wait(timeout=120) == 128 + signal.SIGTERM
-    text = out.read_text()
-    assert f"SIGTERM: cancelling slurm job {job[0]}" in text and "error: interrupted by SIGTERM" in text
-    assert not squeue(cluster.slurm).strip()
-    _nothing_left(cluster)
-    assert not (work / "models/model.pt").exists()
-
-
 def _nothing_left(cluster: Cluster) -> None:
     """No process but the Slurm daemons is left on a compute host."""
     left = {}
@@ -287,7 +268,8 @@ def _nothing_left(cluster: Cluster) -> None:
 def test_cancelled_prefect_run_cancels_its_slurm_job(cluster, prefect_api, reproduced_repo, tmp_path):
     """A Prefect run of ``train/<deployment>`` whose train stage uses ``launcher: slurm`` (a 2-node job on the
     cluster, the run's workspace on the shared filesystem), cancelled while the job trains: the run ends
-    Cancelled, the job is cancelled (``scancel``), ``squeue`` lists nothing, no process is left on any host."""
+    Cancelled, the stage (stopped with SIGTERM, as Prefect stops it) cancels the job (``scancel``), ``squeue``
+    lists nothing, no process is left on any host."""
     from support.prefect import Prefect
     from support.procs import stop_group
     from support.repos import flow_repo

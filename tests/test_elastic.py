@@ -16,7 +16,7 @@ import psutil
 import pytest
 import torch
 
-from support.pipeline import elastic_workdir, write_params
+from support.pipeline import assert_same_training_state, elastic_workdir, write_params
 from support.procs import stage_env
 from support.procs import free_port
 
@@ -58,15 +58,7 @@ def _finish(procs: list[subprocess.Popen], logs: list[Path], timeout: float = 60
 
 
 def _assert_same_final_state(a_dir: Path, b_dir: Path) -> int:
-    a, b = torch.load(_ckpts(a_dir)[-1], weights_only=True), torch.load(_ckpts(b_dir)[-1], weights_only=True)
-    assert a["iter"] == b["iter"]
-    for k in a["model"]:
-        assert torch.equal(a["model"][k], b["model"][k]), k
-    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
-    assert sa.keys() == sb.keys() and len(sa) > 0
-    for k in sa:
-        assert torch.equal(sa[k]["momentum_buffer"], sb[k]["momentum_buffer"]), k
-    return a["iter"]
+    return assert_same_training_state(_ckpts(a_dir)[-1], _ckpts(b_dir)[-1])
 
 
 def _listening(pid: int) -> list[str]:

@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from support.pipeline import elastic_workdir, kill9_training_after, make_coco_subset, stage_cli, write_params
+from support.pipeline import assert_same_training_state, elastic_workdir, kill9_training_after, make_coco_subset, stage_cli, write_params
 from support.procs import run
 
 DEVICE_TYPE = "cuda"
@@ -332,13 +332,7 @@ def test_deterministic_exact_resume(cached_workdir, tmp_path, monkeypatch):
     resumed = stage_cli("train", killed)
     assert f"resuming from checkpoints/ckpt-{interrupted_at:07d}.pt" in resumed.stderr, resumed.stderr[-3000:]
 
-    a, b = _load(_ckpts(straight / "checkpoints")[-1]), _load(_ckpts(killed / "checkpoints")[-1])
-    assert a["iter"] == b["iter"] == final_iter
-    for k in a["model"]:
-        assert torch.equal(a["model"][k], b["model"][k]), k
-    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
-    assert sa.keys() == sb.keys() and len(sa) > 0
-    for k in sa:
-        assert torch.equal(sa[k]["momentum_buffer"], sb[k]["momentum_buffer"]), k
+    assert assert_same_training_state(_ckpts(straight / "checkpoints")[-1],
+                                      _ckpts(killed / "checkpoints")[-1]) == final_iter
     ma, mb = _load(straight / "models/model.pt"), _load(killed / "models/model.pt")
     assert all(torch.equal(v, mb["model"][k]) for k, v in ma["model"].items())

@@ -16,7 +16,7 @@ import pytest
 import torch
 import yaml
 
-from support.pipeline import kill9_training_after, stage_cli, stage_in_background, write_params
+from support.pipeline import assert_same_training_state, kill9_training_after, stage_cli, stage_in_background, write_params
 from support.procs import stage_env
 
 
@@ -122,15 +122,7 @@ def test_kill9_and_sigterm_resume_is_bit_identical(cached_workdir, tmp_path):
     resumed = stage_cli("train", killed)
     assert f"resuming from checkpoints/{m.group(2)}" in resumed.stderr
 
-    a = torch.load(_ckpts(straight)[-1], weights_only=True)
-    b = torch.load(_ckpts(killed)[-1], weights_only=True)
-    assert a["iter"] == b["iter"] == final_iter
-    for k in a["model"]:
-        assert torch.equal(a["model"][k], b["model"][k]), k
-    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
-    assert sa.keys() == sb.keys() and len(sa) > 0
-    for k in sa:
-        assert torch.equal(sa[k]["momentum_buffer"], sb[k]["momentum_buffer"]), k
+    assert assert_same_training_state(_ckpts(straight)[-1], _ckpts(killed)[-1]) == final_iter
     # the resumed run's curves have one row per iteration, no gap and no duplicate
     rows = list(csv.DictReader(open(killed / "dvclive/plots/metrics/train/loss.tsv"), delimiter="\t"))
     assert [int(r["step"]) for r in rows] == list(range(1, final_iter + 1))

@@ -249,7 +249,9 @@ def slurm(cluster: Cluster, root: Path, computes: list[str], cpus: int = 2, cred
     because it did not respond is usable again when its slurmd registers; one an admin set DOWN stays DOWN until
     ``state=resume``); ``JobRequeue=1`` with ``--requeue`` jobs put back in the queue when a
     node fails under them; a requeued job becomes eligible ``cred_expire_s`` seconds later (Slurm waits until the
-    job's old step credentials have expired: ``AuthInfo=cred_expire``, 120 s by default; short here)."""
+    job's old step credentials have expired: ``AuthInfo=cred_expire``, 120 s by default; short here) and is
+    started by the next full scheduling pass (``SchedulerParameters=sched_interval``, 60 s by default; 2 s here:
+    nothing else wakes the scheduler when the begin time passes)."""
     root = Path(root)
     for d in ("state", "spool", "log"):
         (root / d).mkdir(parents=True, exist_ok=True)
@@ -283,6 +285,7 @@ JobCompType=jobcomp/none
 SwitchType=switch/none
 MpiDefault=none
 SchedulerType=sched/builtin
+SchedulerParameters=sched_interval=2
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 ReturnToService=1

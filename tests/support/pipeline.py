@@ -182,3 +182,19 @@ def kill9_training_after(work: Path, checkpoint: str = "ckpt-0000002.pt", timeou
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+
+
+def assert_same_training_state(a_path: Path, b_path: Path) -> int:
+    """Two checkpoints hold the same training state bit for bit: iteration, every weight and every SGD momentum
+    buffer (`torch.equal`); returns the iteration. Fails the test naming the first tensor that differs."""
+    import torch
+
+    a, b = torch.load(a_path, weights_only=True), torch.load(b_path, weights_only=True)
+    assert a["iter"] == b["iter"], (a["iter"], b["iter"])
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
+    assert sa.keys() == sb.keys() and len(sa) > 0
+    for k in sa:
+        assert torch.equal(sa[k]["momentum_buffer"], sb[k]["momentum_buffer"]), k
+    return a["iter"]
