@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import shutil
 import signal
@@ -77,6 +78,9 @@ def cluster(tmp_path_factory, cached_workdir):
         port = s3.endpoint_url.rsplit(":", 1)[1]
         url = f"s3://{bucket}/cache?endpoint_override={hosts.addr('st')}:{port}&scheme=http"
         yield Cluster(hosts, slurm, s3, url, data)
+    # nothing left behind: the hosts' namespaces (with their interfaces and the bridge) and this side's veth
+    assert not [ns for ns in netns_cluster.namespaces() if ns.startswith(f"{hosts.tag}-")]
+    assert hosts.root_if not in subprocess.run(["ip", "-br", "link"], capture_output=True, text=True).stdout
 
 
 def _ckpts(work: Path) -> list[Path]:
@@ -279,7 +283,7 @@ def test_cancelled_prefect_run_cancels_its_slurm_job(cluster, prefect_api, repro
     try:
         prefect.serving("slurm")
         repo = flow_repo(reproduced_repo, tmp_path / "repo", train={
-            "launcher": "slurm", "nnodes": 2, "rdzv_endpoint": f"x:{PORT}", "socket_ifname": IFNAME,
+            "launcher": "slurm", "nnodes": "1:2", "rdzv_endpoint": f"x:{PORT}", "socket_ifname": IFNAME,
             "epochs": 100, "checkpoint_every": 1, "threads": 1})
         run = prefect.start_run(repo, None, "slurm-cancelled", deployment="train/slurm")
         jobs: list[list[str]] = []
@@ -289,6 +293,11 @@ def test_cancelled_prefect_run_cancels_its_slurm_job(cluster, prefect_api, repro
             return bool(jobs) and jobs[0][1] == "RUNNING" and any((repo / ".dvc/tmp/runs").glob("*/checkpoints/ckpt-*"))
 
         _wait_for(training, [run], "a Slurm job writing checkpoints")
+        # an elastic job (nnodes 1:2: --nodes=2, --no-kill) got both nodes, one agent on each
+        assert _scontrol(cluster, "show", "hostnames", jobs[0][2]).split() == ["c1", "c2"], jobs
+        (log,) = (repo / ".dvc/tmp/runs").glob(f"*/logs/slurm-{jobs[0][0]}.out")   # the job's log, as it is now
+        _wait_for(lambda: "rank 1/2" in log.read_text(errors="replace"), [run], "the job's second rank")
+        assert "rank 0/2" in log.read_text(errors="replace")
         prefect.cli("flow-run", "cancel", prefect.id_of("slurm-cancelled"))
         final = prefect.wait_final(prefect.id_of("slurm-cancelled"), timeout=120)
         run.communicate(timeout=120)
@@ -301,3 +310,19 @@ def test_cancelled_prefect_run_cancels_its_slurm_job(cluster, prefect_api, repro
         _nothing_left(cluster)
     finally:
         stop_group(prefect.procs)
+
+
+def test_namespaces_of_a_killed_test_run_are_removed():
+    """A test run killed with SIGKILL cannot delete its namespaces; the next run's `netns_cluster.network` removes
+    those whose owner (the pid in their name) is gone, and leaves a live run's alone."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()                                   # a pid that no longer exists
+    stale, live = f"{netns_cluster.PREFIX}{dead.pid}-c1", f"{netns_cluster.PREFIX}{os.getpid()}-zz"
+    for ns in (stale, live):
+        subprocess.run(["ip", "netns", "add", ns], check=True)
+    try:
+        assert netns_cluster.remove_stale() == [stale]
+        assert stale not in netns_cluster.namespaces() and live in netns_cluster.namespaces()
+    finally:
+        for ns in (stale, live):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)

@@ -224,7 +224,7 @@ def test_emitted_job_runs_the_local_launchers_command(tmp_path, monkeypatch, kin
         assert argv[argv.index("--rdzv-id") + 1] == "${SLURM_JOB_ID}"
         (export,) = [l for l in text.splitlines() if l.startswith("export ")]
         assert dict(w.split("=", 1) for w in shlex.split(export)[1:]) == env
-        assert "#SBATCH --nodes=2-4" in text and "#SBATCH --gres=gpu:8" in text
+        assert "#SBATCH --nodes=4\n" in text and "#SBATCH --no-kill" in text and "#SBATCH --gres=gpu:8" in text
     assert _rendezvous_free(argv) == _rendezvous_free(local)
     assert argv != local  # the comparison above is not vacuous: the scheduler's rendezvous address differs
 

@@ -1,12 +1,14 @@
 """Slurm: the sbatch script of a training job, and running it from the train stage (submit, stream the log,
 wait, cancel when stopped).
 
-The script (`sbatch_script`) asks for ``train.nnodes / train.slurm_tasks_per_node`` nodes (``MIN-MAX`` for an
-elastic job; ``train.nnodes`` counts torchrun agents, one per Slurm task, normally one per node) with
+The script (`sbatch_script`) asks for ``MAX / train.slurm_tasks_per_node`` nodes of ``train.nnodes`` (``N`` or
+``MIN:MAX``; it counts torchrun agents, one per Slurm task, normally one per node: a ``--nodes=MIN-MAX`` range was
+given its minimum by Slurm 22.05 even with idle nodes, measured in tests/test_cluster.py) with
 ``train.slurm_tasks_per_node`` tasks each; ``srun`` starts one torchrun agent per task with the same arguments
 as a local launch (`detpipe.launch.torchrun.torchrun_args`), the c10d rendezvous on the job's first node at the port
 of ``train.rdzv_endpoint`` and ``$SLURM_JOB_ID`` as rendezvous id. A failed worker or node: torchrun restarts
-the worker group (``--max-restarts``) and, with ``--no-kill``, goes on with the remaining nodes down to MIN;
+the worker group (``--max-restarts``) and, an elastic job being submitted with ``--no-kill``, goes on with the
+remaining nodes down to MIN;
 when the whole job dies (e.g. the first node, which hosts the rendezvous) ``--requeue`` puts it back in the
 queue. Every start resumes from the newest checkpoint. The log goes to ``<workdir>/logs/slurm-<job id>.out``.
 """
@@ -54,7 +56,7 @@ def sbatch_script(cfg, torchrun_argv: list[str], env: dict[str, str], workdir: P
                          f"of train.slurm_tasks_per_node {tasks}")
     lo, hi = lo // tasks, hi // tasks
     workdir = Path(workdir).resolve()
-    opts = ["--job-name=detpipe-train", f"--nodes={lo}" if lo == hi else f"--nodes={lo}-{hi}",
+    opts = ["--job-name=detpipe-train", f"--nodes={hi}",
             f"--ntasks-per-node={cfg.slurm_tasks_per_node}", f"--time={cfg.slurm_time}", "--requeue",
             "--open-mode=append", f"--chdir={workdir}", f"--output={workdir}/{LOG_DIR}/slurm-%j.out"]
     # an elastic job goes on without a failed node (torchrun admits MIN); a fixed-size one cannot: Slurm ends it

@@ -73,7 +73,8 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return proc
 
 
-def _namespaces() -> list[str]:
+def namespaces() -> list[str]:
+    """The names of this machine's named network namespaces (``ip netns list``)."""
     return [line.split()[0] for line in _ip("netns", "list").stdout.splitlines() if line.strip()]
 
 
@@ -100,7 +101,7 @@ def _remove(names: list[str]) -> None:
 
 def remove_stale() -> list[str]:
     """Delete the namespaces of test runs that no longer exist (their pid in the name is gone); returns them."""
-    stale = [ns for ns in _namespaces() if (m := re.fullmatch(rf"{PREFIX}(\d+)-\w+", ns))
+    stale = [ns for ns in namespaces() if (m := re.fullmatch(rf"{PREFIX}(\d+)-\w+", ns))
              and not _alive(int(m.group(1)))]
     _remove(stale)
     return stale
@@ -199,7 +200,7 @@ def network(hosts: list[str]) -> Iterator[Cluster]:
     remove_stale()
     tag = f"{PREFIX}{os.getpid()}"
     switch = f"{tag}-sw"
-    if any(ns.startswith(f"{tag}-") for ns in _namespaces()):
+    if any(ns.startswith(f"{tag}-") for ns in namespaces()):
         raise RuntimeError(f"namespaces {tag}-* exist already (one cluster per test process at a time)")
     subnet = _free_subnet()
     cluster = Cluster(tag=tag, subnet=subnet, hosts=list(hosts), root_if=f"{tag}r")
