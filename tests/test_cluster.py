@@ -83,10 +83,6 @@ def cluster(tmp_path_factory, cached_workdir):
     assert hosts.root_if not in subprocess.run(["ip", "-br", "link"], capture_output=True, text=True).stdout
 
 
-def _ckpts(work: Path) -> list[Path]:
-    return sorted((work / "checkpoints").glob("ckpt-*.pt"))
-
-
 def _wait_for(check, procs: list[subprocess.Popen], what: str, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while not check():

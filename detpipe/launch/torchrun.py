@@ -13,8 +13,10 @@ endpoint's host with this machine's hostname, FQDN and the addresses the hostnam
 (``torch.distributed.elastic.rendezvous.utils._matches_machine_hostname``, which its docstring says may give a
 false negative for addresses of secondary NICs): given an IP address the hostname does not resolve to (Debian maps
 the hostname to 127.0.1.1; a second NIC), no node hosts it and every agent waits as a client until the join
-timeout. `launch_local` decides it itself (`is_endpoint_host`: the host is, or resolves to, one of this machine's
-interface addresses) and says so in ``--rdzv-conf is_host=true|false``.
+timeout. Each node decides it itself (`node_args`, in `launch_local` and in `main`, the agent the Slurm script
+and the Kubernetes pods start: `is_endpoint_host`, the host is, or resolves to, one of this machine's interface
+addresses) and says so in ``--rdzv-conf is_host=true|false``, with the address its peers reach it at
+(``--local-addr``).
 
 One node: the rendezvous uses a free port on 127.0.0.1 and both TCP stores torchrun's agent hosts (the c10d
 rendezvous store and the store the workers bootstrap from) listen on 127.0.0.1 only — plain ``torchrun
@@ -108,16 +110,13 @@ def default_run_id(cfg) -> str:
     return "detpipe-" + hashlib.sha256(json.dumps(cfg.model_dump(), sort_keys=True).encode()).hexdigest()[:12]
 
 
-def torchrun_args(cfg, module: str, endpoint: str, run_id: str, nproc_per_node: int | None = None,
-                  is_host: bool | None = None) -> list[str]:
+def torchrun_args(cfg, module: str, endpoint: str, run_id: str, nproc_per_node: int | None = None) -> list[str]:
     """torchrun's arguments for ``python -m <module>`` under params ``cfg`` (`detpipe.params.Train`).
 
     Args:
         endpoint: ``host:port`` of the c10d rendezvous store (hosted by the agent on that host).
         run_id: rendezvous job id, the same for every agent of the job.
         nproc_per_node: workers per agent (default ``cfg.nproc_per_node``).
-        is_host: whether this node hosts the rendezvous store (``is_host=`` in ``--rdzv-conf``); None leaves it
-            to torch's hostname match (the job descriptions for schedulers, built before the node is known).
     Returns:
         e.g. ``["--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
         "10.0.0.5:29400", "--rdzv-id", "4711", "--rdzv-conf", "join_timeout=600,last_call_timeout=30",
@@ -126,8 +125,6 @@ def torchrun_args(cfg, module: str, endpoint: str, run_id: str, nproc_per_node: 
     """
     lo, hi = parse_nnodes(cfg.nnodes)
     conf = f"join_timeout={cfg.rdzv_join_timeout_s},last_call_timeout={cfg.rdzv_last_call_s}"
-    if is_host is not None:
-        conf += f",is_host={str(is_host).lower()}"
     args = ["--nnodes", str(lo) if lo == hi else f"{lo}:{hi}",
             "--nproc-per-node", str(nproc_per_node or cfg.nproc_per_node),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,

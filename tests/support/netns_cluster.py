@@ -82,10 +82,10 @@ def _pids(ns: str) -> list[int]:
     return [int(p) for p in _ip("netns", "pids", ns, check=False).stdout.split()]
 
 
-def _kill_all(ns: str, timeout: float = STOP_TIMEOUT_S) -> None:
-    """SIGKILL every process in namespace ``ns`` (again, until none is left or ``timeout`` s passed)."""
+def _kill_all(ns: str, keep: set[int] = frozenset(), timeout: float = STOP_TIMEOUT_S) -> None:
+    """SIGKILL every process in namespace ``ns`` but ``keep`` (again, until none is left or ``timeout`` s passed)."""
     deadline = time.monotonic() + timeout
-    while (pids := _pids(ns)) and time.monotonic() < deadline:
+    while (pids := set(_pids(ns)) - keep) and time.monotonic() < deadline:
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
@@ -178,12 +178,7 @@ class Cluster:
     def kill(self, host: str) -> None:
         """SIGKILL every process on ``host`` but the cluster's daemons (`daemons`: its ``slurmd``): the machine
         lost its power, and the next test finds it back in the cluster."""
-        deadline = time.monotonic() + STOP_TIMEOUT_S
-        while (pids := set(self.pids(host)) - self.daemons) and time.monotonic() < deadline:
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            time.sleep(0.1)
+        _kill_all(self.ns(host), self.daemons)
 
     def listening(self, host: str) -> list[str]:
         """``ss -Htlnp`` inside ``host``'s namespace: ``local address:port`` and process of each listening TCP
