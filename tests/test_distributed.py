@@ -17,13 +17,7 @@ import pytest
 import torch
 
 from support.pipeline import stage_cli, write_params
-from support.procs import free_port as free_port_on, stage_env, stop_group
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from support.procs import free_port, stage_env, stop_group
 
 
 def _node(cached, dest, overrides):
@@ -111,7 +105,7 @@ def _frozen_peer(tmp_path, timeout_s: float, deadline_s: float) -> tuple[float |
 
     import torch.distributed as dist
 
-    store = dist.TCPStore("127.0.0.1", free_port_on(), is_master=True, timeout=timedelta(seconds=30))
+    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, timeout=timedelta(seconds=30))
     base = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
             "TORCHELASTIC_USE_AGENT_STORE": "True", "DETPIPE_COLLECTIVE_TIMEOUT_S": str(timeout_s),
             "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
@@ -185,3 +179,42 @@ def test_frozen_peer_blocks_without_the_timeout(frozen_peers):
     took, out, _ = frozen_peers[1800]
     assert took is None, out[-2000:]
     assert "error:" not in out
+
+
+def test_a_timeout_seen_as_pair_closure_is_named_a_timeout():
+    """gloo raises ``Timed out waiting ...`` only in the operation whose wait expired; every other operation pending
+    on the group gets ``Application timeout caused pair closure`` (gloo's UnboundBuffer::waitRecv). A worker whose
+    DDP broadcast was that other operation once printed a bare traceback on a cut link instead of the timeout's
+    line (CI, tests/test_cluster.py). Real gloo errors, from two ranks in two threads of this process (rank 1
+    never sends): both count as timeouts; an unrelated error does not."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from detpipe.launch.distributed import _timed_out
+
+    store, errors, done = dist.HashStore(), {}, threading.Event()
+
+    def rank(r: int) -> None:
+        group = dist.ProcessGroupGloo(dist.PrefixStore("pair-closure", store), r, 2, timedelta(seconds=0.5))
+        if r == 1:
+            done.wait(30)   # connected and silent, like a peer behind a cut link
+            return
+        works = [group.recv([torch.zeros(1)], 1, tag) for tag in (0, 1)]
+        for tag, work in enumerate(works):
+            try:
+                work.wait()
+            except RuntimeError as e:
+                errors[tag] = e
+        done.set()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert "Timed out waiting 500ms for recv" in str(errors[0]), errors
+    assert str(errors[1]) == "Application timeout caused pair closure", errors
+    assert _timed_out(errors[0]) and _timed_out(errors[1])
+    assert not _timed_out(RuntimeError("Connection closed by peer [198.18.0.12]:4711"))

@@ -80,10 +80,13 @@ def setup_distributed(backend: str | None = None) -> tuple[int, int, int, torch.
 
 def _timed_out(e: BaseException) -> bool:
     """Whether a collective's error says it timed out: gloo's ``Timed out waiting <ms>ms for <op> operation``,
-    nccl's ``collective operation timeout``, or a `torch.distributed.DistError` (backend or store) that says
-    ``timed out`` / ``timeout``."""
+    gloo's ``Application timeout caused pair closure`` (raised in every other operation pending on the group when
+    one of them times out: gloo ``transport/tcp/unbound_buffer.cc``, ``UnboundBuffer::waitRecv``; which of the two
+    a worker sees first is a race), nccl's ``collective operation timeout``, or a `torch.distributed.DistError`
+    (backend or store) that says ``timed out`` / ``timeout``."""
     text = str(e)
-    return bool(re.search(r"Timed out waiting|collective operation timeout", text)) or (
+    return bool(re.search(r"Timed out waiting|Application timeout caused pair closure|collective operation timeout",
+                          text)) or (
         isinstance(e, dist.DistError) and bool(re.search(r"timed out|timeout", text, re.IGNORECASE)))
 
 
@@ -117,7 +120,8 @@ def _roll_call(wait_s: float) -> set[int] | None:
 def collective_failure(e: BaseException) -> str | None:
     """One line for an error raised by a collective of the initialized group, or None for any other error.
 
-    A timeout (gloo's ``Timed out waiting ...``; after `collective_timeout_s`) names the timeout and the
+    A timeout (gloo's ``Timed out waiting ...`` or ``Application timeout caused pair closure``, see `_timed_out`;
+    after `collective_timeout_s`) names the timeout and the
     ranks that did not answer a roll call (`_roll_call`, at most `ROLL_CALL_S` s) with their host and pid; a
     connection the peer closed (gloo: ``Connection closed by peer [addr]:port``, the peer process died) names
     that address. E.g. ``rank 0/2 (host a): a collective timed out after 600 s (train.collective_timeout_s) -
