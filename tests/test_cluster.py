@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from support import netns_cluster
-from support.netns_cluster import slurm_available, squeue
+from support.netns_cluster import slurm_available, squeue, wait_idle
 from support.pipeline import elastic_workdir
 from support.procs import stage_env
 from support.s3server import running_s3_server
@@ -208,6 +208,7 @@ def test_cut_link_times_out_and_the_job_goes_on(cluster, tmp_path):
     finally:
         cluster.hosts.kill("c2")      # c2's agent is still waiting for a store it cannot reach
         cluster.hosts.link("c2", up=True)
+        wait_idle(cluster.slurm)      # Slurm may have marked c2 not responding: the next tests need it
     lost = re.search(r"error: rank \d/2 \(host c1 pid \d+\): a collective timed out after 5 s "
                      r"\(train.collective_timeout_s\) - no answer from rank \d \(host c2 pid \d+\)", text)
     assert lost, text[-3000:]
@@ -227,6 +228,7 @@ def test_slurm_node_down_requeues_and_resumes(cluster, tmp_path):
     (``scontrol update state=down``) after the first checkpoint: Slurm ends the job and requeues it
     (``--requeue``), it starts again on two nodes that are up (start 2) and resumes from the newest checkpoint;
     the stage, which followed the job, exits 0 with the whole run's log."""
+    wait_idle(cluster.slurm)   # three nodes up: the requeued job has two to start on
     work = cluster.workdir(tmp_path / "w", nnodes=2, launcher="slurm", epochs=6)
     out = tmp_path / "stage.log"
     stage = cluster.hosts.popen("ctl", [sys.executable, "-m", "stages.train"], cwd=work, env=cluster.env(),
@@ -274,6 +276,7 @@ def test_cancelled_prefect_run_cancels_its_slurm_job(cluster, prefect_api, repro
     from support.procs import stop_group
     from support.repos import flow_repo
 
+    wait_idle(cluster.slurm)   # c1 and c2 up: the elastic job gets both
     prefect = Prefect({**prefect_api.env, **cluster.s3.env(), "SLURM_CONF": cluster.slurm["SLURM_CONF"]},
                       prefect_api.logs)
     try:

@@ -336,6 +336,29 @@ def squeue(env: dict) -> str:
                           timeout=30).stdout
 
 
+def wait_idle(env: dict, timeout: float = 60) -> None:
+    """Wait until every node is ``idle`` in ``sinfo``. A node the controller marked not responding (``idle*``,
+    or ``down*`` after ``SlurmdTimeout``: its link was cut for a while) is asked to register again with
+    ``scontrol reconfigure``; left alone it waits for the controller's next ping of non-responding nodes (about
+    90 s measured), and a job submitted meanwhile runs without it.
+
+    Raises:
+        AssertionError: a node is not idle after ``timeout`` seconds (sinfo's lines in the message).
+    """
+    deadline, nudged = time.monotonic() + timeout, False
+    while True:
+        states = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], env=env, capture_output=True, text=True,
+                                timeout=30).stdout.split("\n")
+        states = [line.split() for line in states if line.strip()]
+        if states and all(state == "idle" for _, state in states):
+            return
+        assert time.monotonic() < deadline, f"nodes not idle after {timeout} s: {states}"
+        if not nudged and any(state.endswith("*") for _, state in states):
+            subprocess.run(["scontrol", "reconfigure"], env=env, capture_output=True, timeout=30)
+            nudged = True
+        time.sleep(0.5)
+
+
 def _until(check, timeout: float, message: str, root: Path) -> None:
     deadline = time.monotonic() + timeout
     while not check():
