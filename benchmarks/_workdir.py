@@ -2,6 +2,7 @@
 COCO128 (or a subset), built by running the stages' own CLIs."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Iterator
 
 import yaml
 
@@ -35,6 +37,20 @@ def cached_workdir(n_images: int = 128, train_overrides: dict | None = None) -> 
         subprocess.run([sys.executable, "-m", f"stages.{stage}"], cwd=work, env=env(), check=True,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return work
+
+
+@contextlib.contextmanager
+def temporary_workdir(n_images: int = 128, train_overrides: dict | None = None, keep: bool = False) -> Iterator[Path]:
+    """`cached_workdir`, removed on exit; with ``keep`` left in place and its path printed to stderr (a
+    benchmark's ``--keep``)."""
+    work = cached_workdir(n_images, train_overrides)
+    try:
+        yield work
+    finally:
+        if keep:
+            print(f"kept {work}", file=sys.stderr)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 def write_params(work: Path, train_overrides: dict) -> None:

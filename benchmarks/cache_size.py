@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -31,7 +30,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._workdir import cached_workdir  # noqa: E402
+from benchmarks._workdir import temporary_workdir  # noqa: E402
 from benchmarks.loader import baseline_dataset, check_close, images_per_s  # noqa: E402
 from detpipe import params as params_mod  # noqa: E402
 from detpipe.data.dataset import CachedDetectionDataset  # noqa: E402
@@ -49,8 +48,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=8)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    work = cached_workdir(128)
-    try:
+    with temporary_workdir(128) as work:
         base_cfg = params_mod.load("augment", work / "params.yaml").model_copy(update={"jpeg_quality": args.quality})
         arrow = work / "data/arrow"
         ids = {im: None for split in ("train", "val")
@@ -92,8 +90,7 @@ def main() -> None:
         print(f"jpeg size ratios: fixed 320 {jpeg[0]:.3f}, keep_ratio 800/1333 {jpeg[1]:.3f}; loader ratios: raw "
               f"{speed['raw fixed 320']:.2f} (goal >= 10), jpeg {speed['jpeg fixed 320']:.2f} (goal >= 1.5)")
         print(f"ratio: {max(jpeg):.3f}")
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import statistics
 import subprocess
 import sys
 
-from benchmarks._workdir import cached_workdir, env, write_params
+from benchmarks._workdir import temporary_workdir, env, write_params
 
 
 def images_per_s(work, nproc: int, epochs: int, batch: int, warmup: int) -> float:
@@ -34,15 +34,13 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=8, help="per process")
     ap.add_argument("--warmup", type=int, default=2)
     args = ap.parse_args()
-    work = cached_workdir(128)
-    try:
+    with temporary_workdir(128) as work:
         one = images_per_s(work, 1, 1, args.batch_size, args.warmup)   # 12 steps of 8 images
         two = images_per_s(work, 2, 2, args.batch_size, args.warmup)   # 12 steps of 2 x 8 images
         print(f"1 process: {one:.2f} images/s; 2 processes: {two:.2f} images/s "
               f"(batch {args.batch_size} per process, 1 thread each, gloo)")
         print(f"ratio: {two / one:.3f}")
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+
 
 
 if __name__ == "__main__":

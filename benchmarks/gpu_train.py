@@ -52,7 +52,6 @@ import json
 import logging
 import math
 import shutil
-import sys
 import time
 from pathlib import Path
 
@@ -62,7 +61,7 @@ from torch.utils.data import BatchSampler, DataLoader, RandomSampler
 from torchvision import datasets, tv_tensors
 from torchvision.transforms import v2 as T
 
-from benchmarks._workdir import cached_workdir
+from benchmarks._workdir import temporary_workdir
 from detpipe import params as params_mod
 from detpipe.engine.train_loop import HookBase
 
@@ -209,8 +208,7 @@ def main() -> None:
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     amp = args.amp == "on" and device.type == "cuda"
 
-    work = cached_workdir(args.images)
-    try:
+    with temporary_workdir(args.images, keep=args.keep) as work:
         cfg = params_mod.Train.model_validate({
             **params_mod.load("train", work / "params.yaml").model_dump(),
             "batch_size": args.batch_size, "num_workers": args.workers, "amp": "fp16" if amp else "off",
@@ -241,11 +239,7 @@ def main() -> None:
         if device.type != "cuda":
             print("device: cpu (no CUDA available): this is a CPU figure, not the GPU figure the goal (>= 1.3) is for")
         print(f"ratio: {ratio:.3f}")
-    finally:
-        if args.keep:
-            print(f"kept {work}", file=sys.stderr)
-        else:
-            shutil.rmtree(work, ignore_errors=True)
+
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@ import io
 import itertools
 import json
 import math
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -43,7 +42,7 @@ from torchvision.transforms.v2 import functional as TF
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._workdir import cached_workdir  # noqa: E402
+from benchmarks._workdir import temporary_workdir  # noqa: E402
 from detpipe import params as params_mod  # noqa: E402
 from detpipe.data.augmentation import target_size  # noqa: E402
 from detpipe.data.build_cache import build_cache  # noqa: E402
@@ -162,8 +161,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    work = cached_workdir(args.images)
-    try:
+    with temporary_workdir(args.images, keep=args.keep) as work:
         cfg = params_mod.load("augment", work / "params.yaml")
         cache = work / "data/cache"
         update = {k: v for k, v in (("resize", args.resize), ("encoding", args.encoding))
@@ -197,11 +195,7 @@ def main() -> None:
                   f"ratio {results['ours', nw] / results['baseline', nw]:.2f}", flush=True)
         first = args.workers[0]
         print(f"ratio: {results['ours', first] / results['baseline', first]:.2f}")
-    finally:
-        if args.keep:
-            print(f"kept {work}", file=sys.stderr)
-        else:
-            shutil.rmtree(work, ignore_errors=True)
+
 
 
 if __name__ == "__main__":
