@@ -121,11 +121,11 @@ def collective_failure(e: BaseException) -> str | None:
     """One line for an error raised by a collective of the initialized group, or None for any other error.
 
     A timeout (gloo's ``Timed out waiting ...`` or ``Application timeout caused pair closure``, see `_timed_out`;
-    after `collective_timeout_s`) names the timeout and the
-    ranks that did not answer a roll call (`_roll_call`, at most `ROLL_CALL_S` s) with their host and pid; a
-    connection the peer closed (gloo: ``Connection closed by peer [addr]:port``, the peer process died) names
-    that address. E.g. ``rank 0/2 (host a): a collective timed out after 600 s (train.collective_timeout_s) -
-    no answer from rank 1 (host b pid 4711): lost or frozen; torchrun restarts the group``."""
+    after `collective_timeout_s`) names the timeout and the ranks that did not answer a roll call (`_roll_call`,
+    at most `ROLL_CALL_S` s) with their host and pid; a connection the peer closed (gloo: ``Connection closed by
+    peer [addr]:port``, the peer process died) names that address. E.g. ``rank 0/2 (host a): a collective timed
+    out after 600 s (train.collective_timeout_s) - no answer from rank 1 (host b pid 4711): lost or frozen;
+    torchrun restarts the group``."""
     if not dist.is_available() or not dist.is_initialized() or not isinstance(e, RuntimeError):
         return None
     text, rank, world = str(e), dist.get_rank(), dist.get_world_size()

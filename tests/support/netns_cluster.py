@@ -311,8 +311,7 @@ PartitionName=test Nodes={','.join(computes)} Default=YES MaxTime=INFINITE State
             cluster.daemons.add(daemons[-1].pid)   # nsenter, unshare and sh exec: the pid is slurmd's
 
         def idle() -> bool:
-            out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], env=env, capture_output=True, text=True).stdout
-            states = dict(line.split() for line in out.splitlines() if line.strip())
+            states = node_states(env)
             return sorted(states) == sorted(computes) and all(s == "idle" for s in states.values())
 
         _until(idle, START_TIMEOUT_S, f"the slurm nodes {computes} did not all become idle", root)
@@ -336,6 +335,13 @@ def squeue(env: dict) -> str:
                           timeout=30).stdout
 
 
+def node_states(env: dict) -> dict[str, str]:
+    """``sinfo``'s state of each node, e.g. ``{"c1": "idle", "c2": "down*"}`` (``*``: not responding)."""
+    out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], env=env, capture_output=True, text=True,
+                         timeout=30).stdout
+    return dict(line.split() for line in out.splitlines() if line.strip())
+
+
 def wait_idle(env: dict, timeout: float = 60) -> None:
     """Wait until every node is ``idle`` in ``sinfo``. A node the controller marked not responding (``idle*``,
     or ``down*`` after ``SlurmdTimeout``: its link was cut for a while) is asked to register again with
@@ -347,13 +353,11 @@ def wait_idle(env: dict, timeout: float = 60) -> None:
     """
     deadline, nudged = time.monotonic() + timeout, False
     while True:
-        states = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %T"], env=env, capture_output=True, text=True,
-                                timeout=30).stdout.split("\n")
-        states = [line.split() for line in states if line.strip()]
-        if states and all(state == "idle" for _, state in states):
+        states = node_states(env)
+        if states and all(state == "idle" for state in states.values()):
             return
         assert time.monotonic() < deadline, f"nodes not idle after {timeout} s: {states}"
-        if not nudged and any(state.endswith("*") for _, state in states):
+        if not nudged and any(state.endswith("*") for state in states.values()):
             subprocess.run(["scontrol", "reconfigure"], env=env, capture_output=True, timeout=30)
             nudged = True
         time.sleep(0.5)
