@@ -286,17 +286,33 @@ def test_cancelled_prefect_run_cancels_its_slurm_job(cluster, prefect_api, repro
             "epochs": 100, "checkpoint_every": 1, "threads": 1})
         run = prefect.start_run(repo, None, "slurm-cancelled", deployment="train/slurm")
         jobs: list[list[str]] = []
+        logs: list[Path] = []
 
-        def training() -> bool:
+        def job_logging() -> bool:
+            # Wait for the job's log itself, not for a sign of it: squeue says RUNNING once slurmctld has allocated
+            # the nodes, but the log is created only when slurmstepd starts the batch step on the first node, a
+            # moment later; and checkpoints in the run's workspace prove nothing about this job, as the workspace
+            # starts with the reproduced run's (`checkpoints` is a `persist: true` output, checked out) until the
+            # job's rank 0 removes them.
             jobs[:] = [line.split() for line in squeue(cluster.slurm).splitlines()]
-            return bool(jobs) and jobs[0][1] == "RUNNING" and any((repo / ".dvc/tmp/runs").glob("*/checkpoints/ckpt-*"))
+            if not (jobs and jobs[0][1] == "RUNNING"):
+                return False
+            logs[:] = (repo / ".dvc/tmp/runs").glob(f"*/logs/slurm-{jobs[0][0]}.out")
+            return bool(logs)
 
-        _wait_for(training, [run], "a Slurm job writing checkpoints")
+        _wait_for(job_logging, [run], "a running Slurm job with its log")
         # an elastic job (nnodes 1:2: --nodes=2, --no-kill) got both nodes, one agent on each
         assert _scontrol(cluster, "show", "hostnames", jobs[0][2]).split() == ["c1", "c2"], jobs
-        (log,) = (repo / ".dvc/tmp/runs").glob(f"*/logs/slurm-{jobs[0][0]}.out")   # the job's log, as it is now
-        _wait_for(lambda: "rank 1/2" in log.read_text(errors="replace"), [run], "the job's second rank")
-        assert "rank 0/2" in log.read_text(errors="replace")
+        (log,) = logs   # the job's log, in the run's workspace
+
+        def ranks_training() -> bool:
+            # each rank logs "rank r/2 on ..." just before its first iteration, in no fixed order (rank 0 first
+            # looks for a checkpoint to resume from, rank 1 may get there first): wait for both lines
+            text = log.read_text(errors="replace")
+            return "rank 0/2" in text and "rank 1/2" in text
+
+        _wait_for(ranks_training, [run], "both ranks of the job training")
+        assert "rank 0/2" in log.read_text(errors="replace") and "rank 1/2" in log.read_text(errors="replace")
         prefect.cli("flow-run", "cancel", prefect.id_of("slurm-cancelled"))
         final = prefect.wait_final(prefect.id_of("slurm-cancelled"), timeout=120)
         run.communicate(timeout=120)

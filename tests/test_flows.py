@@ -278,7 +278,14 @@ def _killed_run(factory) -> dict:
         psutil.wait_procs(tree, timeout=30)
         first = _checkpoints(ws)[-1]
         _wait_checkpoint(ws, first, run)  # in the train task's retry
-        time.sleep(3)  # let the flow process ship the logs it has (batched every 0.5 s) before it dies
+        # the flow process dies with serve: first let it ship (batched every 0.5 s) the retry's log line that
+        # test_killed_serve_crashes_run_and_retry_resumes reads from the server - wait for that very line there
+        resumed, flow_run = f"resuming from checkpoints/ckpt-{first:07d}.pt", prefect.id_of("killed-run")
+        deadline = time.monotonic() + 60
+        while resumed not in prefect.logs_of(flow_run):
+            assert run.poll() is None, run.stdout.read()[-4000:]
+            assert time.monotonic() < deadline, f"no {resumed!r} in the run's log on the server after 60 s"
+            time.sleep(0.5)
         tree = _run_tree(ws)
         prefect.procs[-1].kill()                         # the serve process running the flow
         killed_at = time.monotonic()

@@ -168,11 +168,18 @@ def stage_in_background(name: str, cwd: Path, timeout: float = 600) -> Iterator[
         assert proc.returncode == 0, f"stages.{name} in {cwd} failed ({proc.returncode}):\n{log.read()[-3000:]}"
 
 
-def kill9_training_after(work: Path, checkpoint: str = "ckpt-0000002.pt", timeout_s: float = 300) -> None:
+def kill9_training_after(work: Path, checkpoint: str = "ckpt-0000002.pt", timeout_s: float = 300,
+                         die_s: float = 30) -> None:
     """Run ``python -m stages.train`` in ``work`` and ``kill -9`` it as soon as ``checkpoints/<checkpoint>``
-    exists (asserting training was still running then)."""
+    exists (asserting training was still running then); return once every process it had started is gone too.
+
+    Its torchrun workers (which write the checkpoints) die with it (PR_SET_PDEATHSIG), a moment after it: the
+    callers read ``checkpoints/`` as the kill left it, so this waits for those very processes (at most ``die_s``
+    seconds; a zombie counts as gone) rather than sleeping a fixed time."""
     import signal
     import time
+
+    import psutil
 
     proc = subprocess.Popen([sys.executable, "-m", "stages.train"], cwd=work, env=stage_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -180,8 +187,19 @@ def kill9_training_after(work: Path, checkpoint: str = "ckpt-0000002.pt", timeou
     while not (work / "checkpoints" / checkpoint).exists():
         assert proc.poll() is None and time.time() < deadline, "training ended before it could be killed"
         time.sleep(0.05)
+    tree = psutil.Process(proc.pid).children(recursive=True)   # the workers exist: one of them wrote `checkpoint`
     proc.send_signal(signal.SIGKILL)
     proc.wait()
+
+    def running(p: psutil.Process) -> bool:
+        with contextlib.suppress(psutil.Error):
+            return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+        return False
+
+    deadline = time.time() + die_s
+    while left := [p for p in tree if running(p)]:
+        assert time.time() < deadline, f"processes of the killed training still running after {die_s} s: {left}"
+        time.sleep(0.05)
 
 
 def assert_same_training_state(a_path: Path, b_path: Path) -> int:
