@@ -39,7 +39,9 @@ the figure is then labelled a CPU figure (AMP off on both sides there, as the re
 does on CPU); the goal is for a GPU.
 
     python -m benchmarks.gpu_train [--images 128] [--batch-size 16] [--iters 30] [--warmup 5] [--rounds 2]
-                                   [--ref-workers 4] [--workers 0] [--amp on|off] [--threads 0]
+                                   [--ref-workers 4] [--workers 0] [--amp on|off] [--threads 0] [--gpu-only]
+
+``--gpu-only`` (what .ci/gpu_run.py passes): without CUDA, one line saying so instead of a CPU figure.
 
 Last line: ``ratio: <ours images/s / reference images/s>``.
 """
@@ -63,7 +65,9 @@ from torchvision.transforms import v2 as T
 
 from benchmarks._workdir import temporary_workdir
 from detpipe import params as params_mod
+from detpipe.data.dataset import CachedDetectionDataset
 from detpipe.engine.train_loop import HookBase
+from detpipe.engine.trainer import build_trainer
 
 
 class _Stamps(HookBase):
@@ -83,8 +87,6 @@ def ours(work: Path, cfg: params_mod.Train, iters: int, warmup: int, device: tor
     """Images/s of our trainer over ``iters`` iterations after ``warmup`` (one more iteration runs untimed after
     them, so the final checkpoint written at the end falls outside the window). Raises AssertionError if the
     trainer did not run on ``device``."""
-    from detpipe.engine.trainer import build_trainer
-
     for d in ("checkpoints", "dvclive"):
         shutil.rmtree(work / d, ignore_errors=True)
     clock = _Stamps(device)
@@ -203,8 +205,13 @@ def main() -> None:
                     help="fp16 AMP on both sides (reference --amp, our train.amp: fp16); always off on CPU")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (our train.threads; 0 = cores)")
     ap.add_argument("--keep", action="store_true", help="keep the temporary working directory")
+    ap.add_argument("--gpu-only", action="store_true",
+                    help="without CUDA print one line and stop instead of measuring a CPU figure (.ci/gpu_run.py)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    if args.gpu_only and not torch.cuda.is_available():
+        print("gpu_train: skipped: CUDA is not available (torch.cuda.is_available() is False; --gpu-only)")
+        return
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     amp = args.amp == "on" and device.type == "cuda"
 
@@ -215,8 +222,6 @@ def main() -> None:
             "threads": args.threads, "checkpoint_every": args.warmup + args.iters + 10, "eval_every": 0})
         torch.set_num_threads(args.threads or torch.get_num_threads())
         meta = json.loads((work / "data/arrow/meta.json").read_text())
-        from detpipe.data.dataset import CachedDetectionDataset
-
         cache = CachedDetectionDataset(work / "data/cache", "train")
         ref_ds = reference_dataset(work / "data/raw", cache.image_ids,
                                    {int(k): v for k, v in meta["category_id_to_label"].items()})
