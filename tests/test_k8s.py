@@ -267,16 +267,25 @@ def dockerfile_instructions(text: str) -> list[tuple[str, str]]:
     return out
 
 
+def pinned_python() -> str:
+    """``"3.11"``: the Python that ``.ci/venv.sh`` builds the pinned requirements (requirements.txt) with, read
+    from its version assert. Not ``sys.version_info``: the suite also runs on Python 3.12 (``.ci/compat.sh``, torch
+    2.11 / torchvision 0.26), whose interpreter is not the image's, while the image installs requirements.txt."""
+    (ver,) = re.findall(r"sys\.version_info\[:2\] == \((\d+), (\d+)\)", (REPO / ".ci" / "venv.sh").read_text())
+    return ".".join(ver)
+
+
 def dockerfile_problems(text: str) -> list[str]:
     """What the Dockerfile misses of what `k8s.pytorchjob` relies on: ``FROM`` the official ``python`` image at a
-    tag of this environment's Python (``3.11-slim``, a variant, or a digest), the pinned requirements installed
-    from ``requirements.txt`` copied alone before the rest (the dependency layer is cached), the repository copied
-    to ``WORKDIR`` `k8s.WORKDIR` (the manifest's workingDir)."""
+    tag of the Python that the pinned requirements are built for (`pinned_python`: ``3.11-slim``, a variant, or a
+    digest), the pinned requirements installed from ``requirements.txt`` copied alone before the rest (the
+    dependency layer is cached), the repository copied to ``WORKDIR`` `k8s.WORKDIR` (the manifest's
+    workingDir)."""
     ins = dockerfile_instructions(text)
     words = [w for w, _ in ins]
     problems = []
     (base,) = [a for w, a in ins if w == "FROM"] or [""]
-    py = f"{sys.version_info.major}.{sys.version_info.minor}"
+    py = pinned_python()
     if not re.fullmatch(rf"(docker\.io/(library/)?)?python:{re.escape(py)}(\.\d+)?-slim(-[a-z]+)?(@sha256:[0-9a-f]{{64}})?",
                         base):
         problems.append(f"FROM {base!r}: not python:{py}-slim")
@@ -296,7 +305,7 @@ def dockerfile_problems(text: str) -> list[str]:
 
 def test_the_dockerfile_builds_what_the_manifest_runs():
     assert dockerfile_problems((REPO / "Dockerfile").read_text()) == []
-    assert "(3, 11)" in (REPO / ".ci" / "venv.sh").read_text()  # the Python the FROM line must match
+    assert pinned_python() == "3.11"  # the Python the FROM line must match (.ci/venv.sh's)
 
 
 @pytest.mark.parametrize("edit", [
@@ -336,9 +345,9 @@ def test_the_dockerignore_keeps_what_the_pods_read():
     for kept in ("params.yaml", "requirements.txt", "stages/train.py", "detpipe/launch/k8s.py",
                  "data/arrow/meta.json", "data/cache/train/shard-00000.bin", "models/.gitignore"):
         assert not dockerignored(kept, patterns), kept
-    for left in (".git/HEAD", ".venv/bin/python", "checkpoints/ckpt-0000010.pt", "models/model.pt",
-                 "dvclive/metrics.json", "data/arrow/train-0.parquet", ".dvc/config.local", ".dvc/cache/ab/cd",
-                 "detpipe/launch/__pycache__/k8s.cpython-311.pyc", "logs/slurm-1.out"):
+    for left in (".git/HEAD", ".venv/bin/python", ".venv-compat312/bin/python", "checkpoints/ckpt-0000010.pt",
+                 "models/model.pt", "dvclive/metrics.json", "data/arrow/train-0.parquet", ".dvc/config.local",
+                 ".dvc/cache/ab/cd", "detpipe/launch/__pycache__/k8s.cpython-311.pyc", "logs/slurm-1.out"):
         assert dockerignored(left, patterns), left
     assert dockerignored("data/arrow/meta.json", patterns + ["data"])  # the matcher can say "excluded"
 
