@@ -50,7 +50,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import json
 import logging
 import math
 import shutil
@@ -66,6 +65,7 @@ from torchvision.transforms import v2 as T
 from benchmarks._workdir import temporary_workdir
 from detpipe import params as params_mod
 from detpipe.data.dataset import CachedDetectionDataset
+from detpipe.data.meta import read_meta
 from detpipe.engine.train_loop import HookBase
 from detpipe.engine.trainer import build_trainer
 
@@ -221,7 +221,7 @@ def main() -> None:
             "batch_size": args.batch_size, "num_workers": args.workers, "amp": "fp16" if amp else "off",
             "threads": args.threads, "checkpoint_every": args.warmup + args.iters + 10, "eval_every": 0})
         torch.set_num_threads(args.threads or torch.get_num_threads())
-        meta = json.loads((work / "data/arrow/meta.json").read_text())
+        meta = read_meta(work / "data/arrow/meta.json")
         cache = CachedDetectionDataset(work / "data/cache", "train")
         ref_ds = reference_dataset(work / "data/raw", cache.image_ids,
                                    {int(k): v for k, v in meta["category_id_to_label"].items()})

@@ -28,7 +28,6 @@ import argparse
 import contextlib
 import io
 import itertools
-import json
 import math
 import sys
 import time
@@ -47,6 +46,7 @@ from detpipe import params as params_mod  # noqa: E402
 from detpipe.data.augmentation import target_size  # noqa: E402
 from detpipe.data.build_cache import build_cache  # noqa: E402
 from detpipe.data.dataset import CachedDetectionDataset, collate  # noqa: E402
+from detpipe.data.meta import read_meta  # noqa: E402
 
 
 class _Cycle(Sampler[int]):
@@ -172,8 +172,7 @@ def main() -> None:
             build_cache(work / "data/arrow", cache, cfg)
         ours = CachedDetectionDataset(cache, "train")
         base = baseline_dataset(work / "data/raw", ours.image_ids, cfg)
-        label_of = {int(k): v for k, v in json.loads((work / "data/arrow/meta.json").read_text())
-                    ["category_id_to_label"].items()}
+        label_of = {int(k): v for k, v in read_meta(work / "data/arrow/meta.json")["category_id_to_label"].items()}
         if cfg.encoding == "raw":
             worst = f"max pixel difference {check_same(ours, base, label_of, len(ours)):.2f} levels"
         else:  # JPEG-encoded cache: within its loss

@@ -36,8 +36,7 @@ def _steps(cache, decode_device, batch_size: int, workers: int):
     if dataset.encoding != "jpeg":
         raise SystemExit(f"nvjpeg: the cache at {cache} is {dataset.encoding!r}, not 'jpeg' (augment.encoding)")
     sampler = ResumableDistributedSampler(len(dataset), seed=0, shards=dataset.sample_shards())
-    iters_per_epoch = len(dataset) // batch_size
-    return micro_batches(dataset, sampler, 0, iters_per_epoch, batch_size, 1, num_workers=workers,
+    return micro_batches(dataset, sampler, (0, 0, 0), batch_size, 1, num_workers=workers,
                          pin_memory=decode_device is not None, decode_device=decode_device)
 
 

@@ -86,7 +86,7 @@ def images_per_s(root: str, batch_size: int, workers: int, epochs: int, local_by
     ds = CachedDetectionDataset(root, "train", hflip=0.5, seed=0)
     sampler = ResumableDistributedSampler(len(ds), seed=0, shards=ds.sample_shards())
     per_epoch = len(ds) // batch_size
-    gen = micro_batches(ds, sampler, 0, per_epoch, batch_size, 1, num_workers=workers, local_bytes=local_bytes)
+    gen = micro_batches(ds, sampler, (0, 0, 0), batch_size, 1, num_workers=workers, local_bytes=local_bytes)
     try:
         next(gen)
         n, t0 = 0, time.perf_counter()

@@ -54,11 +54,11 @@ def ours(cfg: params_mod.Train, work: Path, iters: int, warmup: int) -> float:
 
 def bare(cfg: params_mod.Train, work: Path, iters: int, warmup: int) -> float:
     from detpipe.data.dataset import CachedDetectionDataset
+    from detpipe.data.meta import read_meta
     from detpipe.models import build_from_config, model_config
-    import json
 
     torch.manual_seed(cfg.seed)
-    meta = json.loads((work / "data/arrow/meta.json").read_text())
+    meta = read_meta(work / "data/arrow/meta.json")
     model = build_from_config(model_config(cfg.model, meta["num_classes"])).train()
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, momentum=cfg.momentum,
                           weight_decay=cfg.weight_decay)

@@ -1,5 +1,6 @@
 """Tie a process's life to its parent's (Linux ``prctl(PR_SET_PDEATHSIG)``), race-free. Standard library only,
-so a process binds itself first thing, before heavy imports.
+so a process binds itself first thing, before heavy imports. The one ``prctl`` binding of detpipe (`prctl`; also
+used by `detpipe.ops.processes`'s guard).
 
 Users: a torchrun worker of a stage (`die_with_launcher`, called by ``python -m stages.train`` before it imports
 torch), so a ``kill -9`` of the stage never leaves orphan workers writing checkpoints beside a rerun; the flow-run
@@ -15,7 +16,14 @@ import sys
 # Set by the launcher (`detpipe.launch.torchrun.run_torchrun`, the elastic agent in the launcher's own process) for its
 # workers: the pid of their parent, so a worker that starts after its launcher died notices.
 LAUNCHER_PID_ENV = "DETPIPE_LAUNCHER_PID"
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36  # <linux/prctl.h>
+
+
+def prctl(option: int, value: int) -> None:
+    """Linux ``prctl(option, value, 0, 0, 0)`` through libc (e.g. `PR_SET_PDEATHSIG` with a signal number,
+    `PR_SET_CHILD_SUBREAPER` with 1); nothing on other systems. The call's status is not checked."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(option, value, 0, 0, 0)
 
 
 def die_with_parent(sig: int = signal.SIGKILL, expected_parent: int | None = None) -> None:
@@ -27,8 +35,7 @@ def die_with_parent(sig: int = signal.SIGKILL, expected_parent: int | None = Non
     then is no longer this process's parent (it was reparented to init or a subreaper), which a parent pid
     read only here cannot tell."""
     before = os.getppid()
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    prctl(PR_SET_PDEATHSIG, int(sig))
     now = os.getppid()
     if now != before or now == 1 or (expected_parent is not None and now != expected_parent):
         os.kill(os.getpid(), sig)

@@ -1,10 +1,19 @@
-"""Build torchvision detection models by name and load weights from a path, URL or torchvision name."""
+"""Build torchvision detection models by name (the train stage's detector sized for its cache: `build_detector`)
+and load weights from a path, URL or torchvision name.
+
+Both sides of the train stage's process boundary use `build_detector`: every worker builds the model it trains, the
+launcher builds the same one on the meta device to check the inputs before any worker starts (no weights, no
+memory).
+"""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
+import json
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torchvision
@@ -12,7 +21,10 @@ from torch import nn
 
 from detpipe.errors import StageError
 from detpipe.files import is_url, read_url_bytes
-from detpipe.paths import MODEL
+from detpipe.paths import ARROW_META, CACHE_DIR, MODEL
+
+if TYPE_CHECKING:
+    from detpipe.params import Train
 
 log = logging.getLogger("detpipe.models")
 
@@ -116,3 +128,62 @@ def load_model(path: Path | str = MODEL, device: torch.device | str = "cpu") -> 
     model = build_from_config(ckpt["config"])
     model.load_state_dict(ckpt["model"])
     return model.to(device).eval(), ckpt
+
+
+def model_kwargs(name: str, cache_meta: dict) -> dict:
+    """Builder kwargs so the model's own transform keeps the cached size (no second resize).
+
+    SSD/SSDlite resize to a fixed size set by the builder: the cache must be ``fixed`` at that size.
+    The others (R-CNN, RetinaNet, FCOS) get ``min_size``/``max_size`` from the cache's resize settings.
+
+    Args:
+        name: the torchvision builder (``train.model``).
+        cache_meta: the augmentation cache's ``meta.json`` as a dict (``resize``, ``size``, ``min_size``,
+            ``max_size``; sizes in pixels).
+    Returns:
+        ``{}`` for SSD models, else ``{"min_size": int, "max_size": int}`` (pixels).
+    Raises:
+        StageError: an SSD model with a cache of another size or mode.
+    """
+    if name.startswith("ssd"):
+        native = 320 if name.startswith("ssdlite320") else 300 if name.startswith("ssd300") else None
+        if cache_meta["resize"] != "fixed" or (native and cache_meta["size"] != native):
+            raise StageError(f"params.yaml: {name} resizes images to {native}x{native}; set augment.resize: fixed "
+                             f"and augment.size: {native} (cache has {cache_meta['resize']} {cache_meta['size']})")
+        return {}
+    if cache_meta["resize"] == "fixed":
+        return {"min_size": cache_meta["size"], "max_size": cache_meta["size"]}
+    return {"min_size": cache_meta["min_size"], "max_size": cache_meta["max_size"]}
+
+
+def build_detector(cfg: Train, arrow_meta: Path = ARROW_META, cache_dir: Path = CACHE_DIR,
+                   device: torch.device | str | None = None) -> tuple[nn.Module, dict, bytes]:
+    """The untrained model ``cfg.model`` sized for the cache (`model_kwargs`), with the cache's masks checked
+    for a mask model (`detpipe.data.dataset.uses_masks`, `detpipe.data.dataset.check_cache_masks`).
+
+    Args:
+        cfg: the train params (``model``, ``cache_url``).
+        arrow_meta: the convert stage's ``meta.json`` (``num_classes``).
+        cache_dir: the augmentation cache, read unless ``cfg.cache_url`` names another.
+        device: where the model's tensors are made: None builds it as training needs it (initialized weights on
+            the CPU, drawing from torch's RNG); ``"meta"`` builds the structure only (no memory, no
+            initialization, no RNG draw), what the launcher checks the inputs with (`detpipe.launch.jobs`).
+    Returns:
+        ``(model, config, cache meta.json bytes)``: ``config`` is `model_config`'s dict.
+    Raises:
+        StageError: missing inputs (either ``meta.json``), unknown model, an SSD model on a cache of another size
+            (`model_kwargs`), a mask model on a cache without masks.
+    """
+    from detpipe.data.dataset import check_cache_masks, uses_masks
+    from detpipe.data.meta import read_cache_meta_bytes, read_meta
+
+    meta = read_meta(arrow_meta)
+    cache_root = cfg.cache_url or str(cache_dir)
+    cache_meta_bytes = read_cache_meta_bytes(cache_root)
+    cache_meta = json.loads(cache_meta_bytes)
+    config = model_config(cfg.model, int(meta["num_classes"]), **model_kwargs(cfg.model, cache_meta))
+    with torch.device(device) if device is not None else contextlib.nullcontext():
+        model = build_from_config(config)
+    if uses_masks(model):  # Mask R-CNN: targets carry the cached instance masks
+        check_cache_masks(cache_meta, cfg.model, f"{cache_root.split('?')[0]}/meta.json")
+    return model, config, cache_meta_bytes

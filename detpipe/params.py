@@ -191,6 +191,14 @@ class Train(_Section):
         return self
 
 
+LAUNCH_ONLY = frozenset({"nnodes", "rdzv_endpoint", "max_restarts", "rdzv_id", "rdzv_join_timeout_s",
+                         "rdzv_last_call_s", "launcher", "slurm_partition", "slurm_time", "slurm_tasks_per_node",
+                         "slurm_cpus_per_task", "slurm_extra", "k8s_image", "k8s_pvc", "k8s_gpus",
+                         "collective_timeout_s", "socket_ifname"})
+"""`Train` fields that only say how the job is launched (torchrun, rendezvous, Slurm, Kubernetes, the collective
+timeout, the network interface): they change neither what is trained nor its result, so a checkpoint made with other
+values resumes (`detpipe.engine.trainer.fingerprint` leaves them out)."""
+
 class Evaluate(_Section):
     batch_size: int = Field(default=16, ge=1, description='Images per forward pass.')
     backend: Literal["pycocotools", "faster_coco_eval"] = Field(default="faster_coco_eval", description='COCOeval implementation: faster_coco_eval (C++, faster) or the pycocotools reference (identical stats).')

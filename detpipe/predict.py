@@ -50,7 +50,8 @@ import torch
 
 from detpipe import params as params_mod
 from detpipe.data.augmentation import encode_pixels, resize_pixels, target_size
-from detpipe.data.dataset import decode_images, read_meta
+from detpipe.data.dataset import decode_images
+from detpipe.data.meta import read_meta
 from detpipe.data.imageio import decode_rgb
 from detpipe.errors import StageError, run_program
 from detpipe.evaluation.coco_evaluation import label_to_category_id

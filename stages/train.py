@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = load("train")
     if worker:
         from detpipe.engine.trainer import train
-        from detpipe.launch.distributed import collective_errors
+        from detpipe.engine.distributed import collective_errors
 
         with collective_errors():  # a timed-out collective: one line naming the lost peer, exit status 2
             train(cfg)

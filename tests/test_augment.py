@@ -292,6 +292,40 @@ def test_undecodable_image_is_a_one_line_error_and_nothing_is_written(cached_wor
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".cache")] == []
 
 
+def test_reads_the_shards_meta_json_lists(cached_workdir, tmp_path):
+    """augment reads the shards data/arrow/meta.json lists, not whatever lies in the folder: a stray file is not
+    read; a listed shard that is missing, or no shard list, is a one-line error naming the file."""
+    arrow = tmp_path / "arrow"
+    shutil.copytree(cached_workdir / "data/arrow", arrow)
+    (arrow / "val" / "part-99999.arrow").write_bytes(b"not arrow")  # would fail if it were read
+    meta = build_cache(arrow, tmp_path / "cache", params_mod.Augment(workers=0))
+    assert meta["splits"]["val"]["images"] == json.loads((arrow / "meta.json").read_text())["splits"]["val"]["images"]
+    (arrow / "val" / "part-00000.arrow").unlink()
+    with pytest.raises(StageError, match=r"^\S*/val/part-00000\.arrow: listed in \S*/meta\.json but not found "
+                                         r"\(re-run the convert stage\)$"):
+        build_cache(arrow, tmp_path / "cache2", params_mod.Augment(workers=0))
+    arrow_meta = json.loads((arrow / "meta.json").read_text())
+    del arrow_meta["splits"]["train"]["shards"]
+    (arrow / "meta.json").write_text(json.dumps(arrow_meta))
+    with pytest.raises(StageError, match=r"meta\.json: no shard list for the train split "
+                                         r"\(re-run the convert stage\)$"):
+        build_cache(arrow, tmp_path / "cache3", params_mod.Augment(workers=0))
+    assert not (tmp_path / "cache2").exists() and not (tmp_path / "cache3").exists()
+
+
+def test_stage_cli_logs_progress_without_a_terminal(cached_workdir, tmp_path):
+    """Without a terminal (stderr a pipe, as under Prefect) the stage's progress is log lines, one per split at
+    its end at least: images done of the split's total (data/arrow/meta.json), images/s."""
+    shutil.copyfile(cached_workdir / "params.yaml", tmp_path / "params.yaml")
+    shutil.copytree(cached_workdir / "data/arrow", tmp_path / "data/arrow")
+    proc = stage_cli("augment", tmp_path)
+    meta = json.loads((tmp_path / "data/arrow/meta.json").read_text())
+    for split in ("train", "val"):
+        n = meta["splits"][split]["images"]
+        line = f"detpipe.progress INFO augment {split}: image {n}/{n}, "
+        assert line in proc.stderr and "images/s" in proc.stderr.split(line, 1)[1].splitlines()[0], proc.stderr
+
+
 def test_stage_cli_without_converted_data_fails_with_one_line(tmp_path):
     write_params(tmp_path)
     proc = stage_cli("augment", tmp_path, check=False)

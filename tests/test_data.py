@@ -2,6 +2,7 @@
 rank partitioning, worker processes, pinned memory, and reading through filesystem URLs."""
 from __future__ import annotations
 
+import copy
 import json
 import math
 import shutil
@@ -19,6 +20,7 @@ from detpipe import params as params_mod
 from detpipe.errors import StageError
 from detpipe.data.dataset import CachedDetectionDataset, ResumableDistributedSampler, collate, micro_batches
 from detpipe.data.build_cache import build_cache
+from detpipe.engine.elastic import EpochPlan
 
 
 @pytest.fixture(scope="module")
@@ -331,13 +333,91 @@ def test_micro_batches_resume_across_epochs_with_one_loader(cache, num_workers):
     ds = CachedDetectionDataset(cache, "train", hflip=0.5, seed=3)
     per_epoch = len(ds) // 2
     sampler = ResumableDistributedSampler(len(ds), seed=3, shards=ds.sample_shards())
-    full = [m[0] for m in _steps(micro_batches(ds, sampler, 0, per_epoch, 2, 1), 3 * per_epoch)]
+    full = [m[0] for m in _steps(micro_batches(ds, sampler, (0, 0, 0), 2, 1), 3 * per_epoch)]
     for k in (1, per_epoch, per_epoch + 2):
         sampler = ResumableDistributedSampler(len(ds), seed=3, shards=ds.sample_shards())
-        tail = [m[0] for m in _steps(micro_batches(ds, sampler, k, per_epoch, 2, 1, num_workers=num_workers),
+        position = EpochPlan(per_epoch, 2).locate(k)  # as the trainer positions it (no world-size change)
+        assert position == (k // per_epoch, k % per_epoch * 2, 0)
+        tail = [m[0] for m in _steps(micro_batches(ds, sampler, position, 2, 1, num_workers=num_workers),
                                      3 * per_epoch - k)]
         _same_batches(tail, full[k:])
     assert len({tuple(_ids([b])) for b in full}) > 1
+
+
+def test_restart_after_a_resized_epoch_reads_what_the_epoch_plan_says(cache):
+    """Regression: a run at world size 2 stopped one step into epoch 1, resumed at world size 1 (which finishes
+    epoch 1 first, at an iteration the plain schedule does not know), then restarted at world size 1 from a
+    checkpoint a few steps into epoch 2. The restart's training input (`micro_batches` positioned by
+    `EpochPlan.locate`, as `Trainer.run_step` does) is exactly the uninterrupted continuation's, its checkpoint
+    records that position, and every sample is read once per epoch (by image id, which flips cannot change). The
+    plain ``divmod(iteration, iters_per_epoch)`` points elsewhere there (a sample of epoch 1, not epoch 2), and for
+    a plain resume `EpochPlan.locate` is that plain schedule (the default run reads as before)."""
+    ds = CachedDetectionDataset(cache, "train", hflip=0.5, seed=3)
+    n, batch_size, accumulate = len(ds), 1, 2
+    step, shards = batch_size * accumulate, ds.sample_shards()
+
+    def sampler(world_size: int, rank: int = 0) -> ResumableDistributedSampler:
+        return ResumableDistributedSampler(n, world_size, rank, seed=3, shards=shards)
+
+    def read(s, plan: EpochPlan, it: int, count: int) -> list:  # `Trainer.run_step`'s input from iteration ``it``
+        return _steps(micro_batches(ds, s, plan.locate(it), batch_size, accumulate), count)
+
+    def checkpoint(s, plan: EpochPlan, done: int) -> dict:  # `Trainer.checkpoint_state`'s sampler entry
+        at_next = copy.copy(s)
+        at_next.set_epoch(*plan.locate(done))
+        return at_next.state_dict(consumed=0)
+
+    def resume(world_size: int, state: dict, done: int):  # `Trainer.load_checkpoint_state`
+        s = sampler(world_size)
+        s.load_state_dict(state)
+        return s, EpochPlan.resumed(done, s, s.num_samples // step, step)
+
+    def ids(steps: list) -> list[int]:
+        return [int(t["image_id"]) for micro in steps for _, targets in micro for t in targets]
+
+    def ids_of(epoch: int, indices) -> list[int]:
+        return [int(ds[(epoch, int(i))][1]["image_id"]) for i in indices]
+
+    ipe2, ipe1 = sampler(2).num_samples // step, sampler(1).num_samples // step
+    assert ipe2 >= 2 and ipe1 >= 3, "the test needs a larger train split"
+    assert len(set(ids_of(1, range(n)))) == n  # image ids name samples
+    # world size 2 from the start, stopped one step into epoch 1
+    stop = ipe2 + 1
+    first = [read(sampler(2, r), EpochPlan(ipe2, step), 0, stop) for r in range(2)]
+    state = checkpoint(sampler(2), EpochPlan(ipe2, step), stop)
+    assert (state["epoch"], state["start"], state["offset"], state["world_size"]) == (1, step, 0, 2)
+    # resumed at world size 1: the rest of epoch 1 (the 2 * step samples read at world size 2 skipped), then whole
+    # epochs; read uninterruptedly to the end of epoch 2
+    s1, plan1 = resume(1, state, stop)
+    assert plan1.locate(stop) == (1, 0, 2 * step)
+    end1 = stop + plan1.first_iters  # first iteration of epoch 2
+    end2 = end1 + ipe1
+    cont = read(s1, plan1, stop, end2 - stop)
+    # a checkpoint 2 steps into epoch 2, and the restart from it at the same world size
+    at = end1 + 2
+    state = checkpoint(s1, plan1, at)
+    assert (state["epoch"], state["start"], state["offset"], state["world_size"]) == (2, 2 * step, 0, 1)
+    assert divmod(at, ipe1) != (2, 2)  # where the plain schedule goes wrong
+    s2, plan2 = resume(1, state, at)
+    assert plan2.locate(at) == plan1.locate(at) == (2, 2 * step, 0)
+    restart = read(s2, plan2, at, end2 - at)
+    assert ids(restart) == ids(cont[at - stop:])
+    _same_batches([m for st in restart for m in st], [m for st in cont[at - stop:] for m in st])
+    # every sample once per epoch: epoch 1 = 1 step per rank at world size 2 + the resumed rest (drop_last: whole
+    # steps only), epoch 2 = the continuation up to the checkpoint + the restart
+    epoch1 = [i for r in range(2) for i in ids(first[r][ipe2:])] + ids(cont[:plan1.first_iters])
+    covered = 2 * step + plan1.first_iters * step
+    assert sorted(epoch1) == sorted(ids_of(1, s1.order(1)[:covered]))
+    assert len(set(epoch1)) == len(epoch1) == covered
+    epoch2 = ids(cont[plan1.first_iters:at - stop]) + ids(restart)
+    assert sorted(epoch2) == sorted(ids_of(2, s1.order(2)[:ipe1 * step]))
+    assert len(set(epoch2)) == len(epoch2) == ipe1 * step
+    # without a change of world size the plan is the plain schedule: same samples, same order as before
+    for k in range(3 * ipe1):
+        plain = EpochPlan(ipe1, step)
+        _, again = resume(1, checkpoint(sampler(1), plain, k), k)
+        assert [again.locate(j) for j in range(k, k + ipe1 + 1)] == [plain.locate(j) for j in range(k, k + ipe1 + 1)]
+        assert again.locate(k) == (k // ipe1, k % ipe1 * step, 0)
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import io
 import logging
+import re
 import socket
 import subprocess
 import sys
@@ -224,13 +225,19 @@ def test_http_archive(tmp_path, http_server, kind):
 
 
 @pytest.mark.parametrize("behaviour", ["drop", "stall"])
-def test_http_resumes_with_range_after_a_cut(tmp_path, http_server, behaviour):
+def test_http_resumes_with_range_after_a_cut(tmp_path, http_server, behaviour, caplog, monkeypatch):
     files = _sample_files()
     data = _tar_gz(http_server.root / "coco.tar.gz", files)
     t0 = time.monotonic()
     timeout = 0.5 if behaviour == "stall" else 5
-    download(f"{http_server.url}/{behaviour}/coco.tar.gz", tmp_path / "raw", sha256=_sha(data),
-             retries=3, timeout_s=timeout, backoff_s=0.05)
+    monkeypatch.setattr(sys, "stderr", io.StringIO())      # no terminal: progress goes to the log
+    with caplog.at_level(logging.INFO, logger="detpipe.progress"):
+        download(f"{http_server.url}/{behaviour}/coco.tar.gz", tmp_path / "raw", sha256=_sha(data),
+                 retries=3, timeout_s=timeout, backoff_s=0.05)
+    progress = [r.getMessage() for r in caplog.records if r.name == "detpipe.progress"]
+    # the resumed attempt counts on from the bytes kept and logs its end: all of the file's bytes
+    assert progress and re.fullmatch(r"coco\.tar\.gz: ([\d.]+ (?:[KMG]i)?B)/\1, [\d.]+ (?:[KMG]i)?B/s", progress[-1]), \
+        progress
     _assert_tree(tmp_path / "raw", files)
     path = f"/{behaviour}/coco.tar.gz"
     assert [p for p, _ in http_server.log] == [path, path]
@@ -441,6 +448,9 @@ def test_stage_default_params_copy_embedded_dataset(tmp_path):
     assert _manifest_sha(raw) == _manifest_sha(COCO)
     assert f"sha256 of folder manifest data/coco128: {_manifest_sha(COCO)}" in res.stderr
     assert _leftovers(work / "data") == []
+    # stderr is no terminal (as under Prefect): the copy's progress is a log line, the last one at the end
+    assert re.search(r"detpipe\.progress INFO coco128: ([\d.]+ MiB)/\1, [\d.]+ [KMG]?i?B/s$", res.stderr, re.M), \
+        res.stderr
 
 
 def test_stage_failure_is_one_error_line_and_keeps_old_output(tmp_path):

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from support.pipeline import stage_cli
-from detpipe.data.dataset import CachedDetectionDataset, read_meta
+from detpipe.data.dataset import CachedDetectionDataset
+from detpipe.data.meta import read_meta
 from detpipe.evaluation.coco_evaluation import gt_from_arrow, label_to_category_id
 from detpipe.evaluation.cocoeval import coco_evaluate
 

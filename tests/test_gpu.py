@@ -186,7 +186,7 @@ def _run_train(work: Path):
 
 def test_one_gpu_job(cached_workdir, tmp_path):
     """``nproc_per_node: 1`` on a GPU machine: the torchrun job's one worker trains on cuda:0. With one process
-    the product makes no process group (`detpipe.launch.distributed.setup_distributed` initializes one only for
+    the product makes no process group (`detpipe.engine.distributed.setup_distributed` initializes one only for
     world size > 1), so no NCCL communicator is created: a 1-GPU job is a plain single-GPU run."""
     work = elastic_workdir(cached_workdir, tmp_path / "w", {"nproc_per_node": 1, "epochs": 1})
     proc = _run_train(work)
@@ -251,7 +251,7 @@ def test_gpu_jpeg_decode_in_the_loader(cached_workdir):
         dataset = CachedDetectionDataset(cached_workdir / "data/cache", "train", hflip=1.0, seed=0)
         assert dataset.encoding == "jpeg"
         sampler = ResumableDistributedSampler(len(dataset), seed=0, shards=dataset.sample_shards())
-        steps = micro_batches(dataset, sampler, 0, 2, 4, 1, pin_memory=decode_device is not None,
+        steps = micro_batches(dataset, sampler, (0, 0, 0), 4, 1, pin_memory=decode_device is not None,
                               decode_device=decode_device)
         try:
             batches = [next(steps)[0] for _ in range(2)]  # 2 iterations of batch 4 (9 images, drop_last)

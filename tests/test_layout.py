@@ -1,4 +1,5 @@
-"""The layout the project promises: six stage modules, a library package, dvc.yaml deps that follow the imports."""
+"""The layout the project promises: six stage modules, a library package, dvc.yaml deps that follow the imports,
+the launcher and the workers' code apart."""
 from __future__ import annotations
 
 import ast
@@ -66,6 +67,18 @@ def test_no_stage_imports_another_stage():
         imported = {m for m in _imports(lib) if m.startswith("stages.")}
         assert not imported, f"{lib.name} imports stages {sorted(imported)}"
 
+
+
+def test_launcher_and_workers_import_nothing_from_each_other():
+    """The two sides of the train stage's process boundary: `detpipe/launch/` (the launcher: torchrun's agent,
+    Slurm, Kubernetes, the input check) imports no module of `detpipe/engine/` (what runs in every worker), and
+    `detpipe/engine/` none of `detpipe/launch/` -- directly or through another project module, at the top or inside
+    a function (what they share lives beside both: `detpipe.models`, `detpipe.params`, `detpipe.worker_env`)."""
+    sides = {"launch": "detpipe.engine", "engine": "detpipe.launch"}
+    for side, forbidden in sides.items():
+        for f in sorted((ROOT / "detpipe" / side).glob("*.py")):
+            crossed = sorted(m for m in code_closure(f) if m.startswith(forbidden.replace(".", "/") + "/"))
+            assert not crossed, f"{f.relative_to(ROOT)} imports {forbidden} ({crossed})"
 
 def test_dvc_yaml_code_deps_follow_the_imports():
     pipeline = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]

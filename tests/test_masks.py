@@ -19,7 +19,8 @@ from detpipe import params as params_mod
 from detpipe.data.build_cache import build_cache
 from detpipe.evaluation.cocoeval import coco_evaluate
 from detpipe.errors import StageError
-from detpipe.data.dataset import CachedDetectionDataset, collate, read_meta, uses_masks
+from detpipe.data.dataset import CachedDetectionDataset, collate, uses_masks
+from detpipe.data.meta import read_meta
 from detpipe.evaluation.coco_evaluation import gt_from_arrow, masks_to_rles
 
 # keep_ratio with the longer side 320: Mask R-CNN's transform keeps these sizes (no second resize)

@@ -25,6 +25,7 @@ from support.delay_proxy import DelayProxy
 from support.pipeline import kill9_training_after, stage_cli, write_params
 from detpipe import params as params_mod
 from detpipe.data.dataset import CachedDetectionDataset, ResumableDistributedSampler, micro_batches
+from detpipe.engine.elastic import EpochPlan
 from detpipe.data.streaming import START_DEPTH, ShardPrefetcher, wait_for_shard
 from detpipe.errors import StageError
 from detpipe.data.build_cache import build_cache
@@ -66,8 +67,8 @@ def _sampler(ds: CachedDetectionDataset) -> ResumableDistributedSampler:
 
 
 def _take(ds, n_steps: int, start: int = 0, watch=None, **kw) -> list:
-    per_epoch = len(ds) // 2
-    gen = micro_batches(ds, _sampler(ds), start, per_epoch, 2, 1, **kw)
+    """Steps ``start ..`` of the training input (batch 2), positioned as the trainer does (no world-size change)."""
+    gen = micro_batches(ds, _sampler(ds), EpochPlan(len(ds) // 2, 2).locate(start), 2, 1, **kw)
     out = []
     try:
         for _ in range(n_steps):

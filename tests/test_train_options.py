@@ -16,7 +16,7 @@ from detpipe.engine.train_loop import HookBase
 from detpipe.errors import StageError
 from detpipe.data.dataset import CachedDetectionDataset, collate
 from detpipe.models import build_from_config, load_weights, model_config
-from detpipe.engine.trainer import model_kwargs
+from detpipe.models import model_kwargs
 
 
 @pytest.mark.slow

@@ -1,4 +1,5 @@
-"""Unit behaviour of the trainer's pieces: LR schedule, model kwargs, launch args, RNG state round trip."""
+"""Unit behaviour of the trainer's pieces: LR schedule, model kwargs, the launcher's input check, launch args, RNG state
+round trip."""
 from __future__ import annotations
 
 import random
@@ -11,7 +12,7 @@ from detpipe.errors import StageError
 from detpipe.engine.checkpoints import rng_state, set_rng_state
 from detpipe.engine.hooks import lr_factor
 from detpipe.params import Train
-from detpipe.engine.trainer import model_kwargs
+from detpipe.models import model_kwargs
 from detpipe.launch.jobs import launch_args
 
 
@@ -38,6 +39,40 @@ def test_model_kwargs_match_cache():
     keep = {**fixed, "resize": "keep_ratio", "min_size": 512, "max_size": 853}
     assert model_kwargs("retinanet_resnet50_fpn", keep) == {"min_size": 512, "max_size": 853}
 
+
+
+def test_launcher_checks_inputs_on_a_meta_model(tmp_path, monkeypatch):
+    """`check_inputs` refuses what every worker would refuse (missing meta.json, unknown model, an SSD on a cache of
+    another size, a mask model on a cache without masks, a missing weights file) with one line, building the model
+    on the meta device only: no weights, no draw from torch's RNG; the worker's build has the same structure."""
+    import json
+
+    from detpipe.launch.jobs import check_inputs
+    from detpipe.models import build_detector
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data/arrow").mkdir(parents=True)
+    (tmp_path / "data/arrow/meta.json").write_text(json.dumps({"num_classes": 3}))
+    with pytest.raises(StageError, match=r"data/cache/meta.json: not found \(run the augment stage first\)"):
+        check_inputs(Train())
+    (tmp_path / "data/cache").mkdir(parents=True)
+    (tmp_path / "data/cache/meta.json").write_text(json.dumps(
+        {"resize": "fixed", "size": 320, "masks": False, "splits": {"train": {"rows": 4, "rows_without_masks": 2}}}))
+    rng = torch.get_rng_state()
+    check_inputs(Train())
+    assert torch.equal(torch.get_rng_state(), rng)
+    meta_model, config, _ = build_detector(Train(), device="meta")
+    assert {p.device.type for p in meta_model.parameters()} == {"meta"}
+    model, same_config, _ = build_detector(Train())
+    assert same_config == config and not torch.equal(torch.get_rng_state(), rng)
+    assert [(k, v.shape) for k, v in meta_model.state_dict().items()] == \
+        [(k, v.shape) for k, v in model.state_dict().items()]
+    for cfg, line in [(Train(model="no_such_net"), "unknown model 'no_such_net'"),
+                      (Train(model="ssd300_vgg16"), "augment.size: 300"),
+                      (Train(model="maskrcnn_resnet50_fpn"), "needs instance masks"),
+                      (Train(weights="missing.pt"), "key 'train.weights': file 'missing.pt' not found")]:
+        with pytest.raises(StageError, match=line):
+            check_inputs(cfg)
 
 def test_launch_args_from_params():
     multi = launch_args(Train(nnodes="1:2", nproc_per_node=2, rdzv_endpoint="10.0.0.5:29400", max_restarts=5),

@@ -1,11 +1,12 @@
 """Building the augmentation cache: decode every image once, resize it to the training size and store it in Arrow
 (re-encoded as JPEG by default, or raw uint8 pixels): the augment stage's work (`build_cache`).
 
-``python -m stages.augment`` calls it with params section ``augment``: it reads ``data/arrow/{train,val}/*.arrow``
-(see `detpipe.data.convert` for that schema) and writes, per split, ``data/cache/<split>/part-NNNNN.arrow``
-(pixels) and ``data/cache/<split>/index.arrow`` (everything but the pixels and masks), plus
-``data/cache/meta.json``. The expensive, deterministic work (decode, EXIF orientation, RGB conversion, resize)
-is done here once; cheap random augmentation (horizontal flip) is applied at load time by `detpipe.data.dataset.CachedDetectionDataset`.
+``python -m stages.augment`` calls it with params section ``augment``: it reads the shards ``data/arrow/meta.json``
+lists (`detpipe.data.meta.arrow_shards`; see `detpipe.data.convert` for their schema) and writes, per split,
+``data/cache/<split>/part-NNNNN.arrow`` (pixels) and ``data/cache/<split>/index.arrow`` (everything but the pixels
+and masks), plus ``data/cache/meta.json``. The expensive, deterministic work (decode, EXIF orientation, RGB
+conversion, resize) is done here once; cheap random augmentation (horizontal flip) is applied at load time by
+`detpipe.data.dataset.CachedDetectionDataset`.
 
 Cache layout (Arrow IPC *file* format, uncompressed, so shards can be memory-mapped or read by byte range):
 
@@ -100,14 +101,14 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from tqdm import tqdm
-
 from detpipe import params as params_mod
 from detpipe.errors import StageError
 from detpipe.pool import bounded_map, process_pool
 from detpipe.files import atomic_dir, atomic_write_json
 from detpipe.data.augmentation import process_batch
 from detpipe.data.cachefmt import CACHE_FORMAT, INDEX_FILE, SPLITS, ZOOM_OUT_FILL, ShardWriter, iter_source_batches
+from detpipe.data.meta import arrow_shards, read_meta
+from detpipe.progress import Progress
 
 log = logging.getLogger(__name__)
 
@@ -121,12 +122,12 @@ def build_cache(arrow_dir: Path | str, cache_dir: Path | str, cfg: params_mod.Au
     Returns the ``meta.json`` dict: per split the image and row counts, boxes kept, crowd boxes excluded,
     degenerate boxes dropped, boxes dropped by crops, masks stored, rows without masks, and shard names; plus the
     resize and copy settings and ``masks`` (true when every row has its objects' masks and there is one at least).
+    Progress (images per split) goes to `detpipe.progress.Progress`: a bar on a terminal, a log line every 30 s
+    elsewhere.
     Raises:
         StageError: missing converted data, an image that cannot be decoded, a malformed segmentation.
     """
-    meta_in = Path(arrow_dir) / "meta.json"
-    if not meta_in.is_file():
-        raise StageError(f"{meta_in}: not found (run the convert stage first)")
+    arrow_meta = read_meta(Path(arrow_dir) / "meta.json", "convert")
     meta = {"format": CACHE_FORMAT, "resize": cfg.resize, "size": cfg.size, "min_size": cfg.min_size,
             "max_size": cfg.max_size, "upscale": cfg.upscale, "copies": cfg.copies, "seed": cfg.seed,
             "encoding": cfg.encoding, "jpeg_quality": cfg.jpeg_quality if cfg.encoding == "jpeg" else None,
@@ -150,9 +151,10 @@ def build_cache(arrow_dir: Path | str, cache_dir: Path | str, cfg: params_mod.Au
                 writer = ShardWriter(tmp / split, int(cfg.shard_mb * 10**6), cfg.encoding)
                 counts = {"images": 0, "rows": 0, "boxes": 0, "crowd_excluded": 0, "degenerate_dropped": 0,
                           "crop_dropped": 0, "masks": 0, "rows_without_masks": 0}
-                tasks = ((rows, cfg, copies) for rows in iter_source_batches(split_dir))
+                shards = arrow_shards(split_dir, arrow_meta)
+                tasks = ((rows, cfg, copies) for rows in iter_source_batches(shards))
                 results = bounded_map(pool, process_batch, tasks, window=2 * workers)
-                with tqdm(desc=f"augment {split}", unit="img", disable=None) as bar:
+                with Progress(arrow_meta["splits"][split].get("images"), f"augment {split}", unit="image") as bar:
                     for out in results:
                         for rows, c in out:
                             writer.write_image(rows)
@@ -164,7 +166,7 @@ def build_cache(arrow_dir: Path | str, cache_dir: Path | str, cfg: params_mod.Au
                             counts["rows"] += len(rows)
                             for k, v in c.items():
                                 counts[k] += v
-                        bar.update(len(out))
+                        bar.update(len(out), images=len(out))
                 writer.close()
                 writer.write_index(tmp / split / INDEX_FILE)
                 meta["splits"][split] = {**counts, "copies": copies, "shards": writer.shards}

@@ -41,11 +41,13 @@ INDEX_SCHEMA = pa.schema([f for f in CACHE_SCHEMA if f.name not in ("pixels", "m
                             pa.field("batch", pa.int32())])
 
 
-def iter_source_batches(split_dir: Path, rows_per_task: int = 8) -> Iterator[list[dict]]:
-    """Yield lists of converted rows (only the columns augment reads), shard by shard, in file order."""
+def iter_source_batches(shards: list[Path], rows_per_task: int = 8) -> Iterator[list[dict]]:
+    """Yield lists of at most ``rows_per_task`` converted rows (dicts of only the columns augment reads), from the
+    Arrow shards ``shards`` (`detpipe.data.meta.arrow_shards`) in order, each in file order.
+    Raises `StageError` naming the shard when it is not a readable Arrow IPC file or lacks a column."""
     cols = ["image_id", "file_name", "image", "bbox", "label", "iscrowd"]
     optional = ["ann_id", "segmentation"]  # masks (and annotation ids for error messages) when present
-    for shard in sorted(split_dir.glob("*.arrow")):
+    for shard in shards:
         with pa.memory_map(str(shard)) as src:
             try:
                 reader = ipc.open_file(src)

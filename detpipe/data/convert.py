@@ -101,6 +101,7 @@ from detpipe.errors import StageError
 from detpipe.files import atomic_dir
 from detpipe.params import Convert
 from detpipe.pool import bounded_map, process_pool
+from detpipe.progress import Progress
 
 log = logging.getLogger(__name__)
 
@@ -212,15 +213,14 @@ def convert(raw_root: Path | str, out_dir: Path | str, params: Convert, *, progr
         raw_root: folder that ``params.annotations``/``images``/``val_annotations``/``val_images`` are relative to.
         out_dir: output folder (replaced atomically: on any error it is left as it was).
         params: the ``convert`` params section.
-        progress: show a tqdm progress bar (images) on stderr.
+        progress: show the progress in images (`detpipe.progress.Progress`: a bar on a terminal, a log line every
+            30 s elsewhere).
     Returns:
         ``{"meta": <meta.json>, "report": <report.json>}``.
     Raises:
         StageError: an input of `detpipe.data.coco.ERRORS` (malformed annotation file, a split emptied by the
             rules, ...), a missing image folder, or (``params.strict``) any rule of `detpipe.data.coco.RULES`.
     """
-    from tqdm import tqdm
-
     raw_root, out_dir = Path(raw_root), Path(out_dir)
     t0 = time.perf_counter()
     report = Report(params.strict)
@@ -232,7 +232,7 @@ def convert(raw_root: Path | str, out_dir: Path | str, params: Convert, *, progr
         names = {c["id"]: c["name"] for c in categories}
         total = sum(len(s[1]) for s in sources.values())
         results: list[ShardResult] = []
-        with tqdm(total=total, unit="img", desc="convert", disable=not progress, mininterval=0.5) as bar:
+        with Progress(total, "convert", unit="image", enabled=progress) as bar:
             leak = None
             for split, (table, rows, images_dir) in sources.items():   # train first: val is checked against it
                 if split == "val" and len(rows):
@@ -246,7 +246,7 @@ def convert(raw_root: Path | str, out_dir: Path | str, params: Convert, *, progr
                                     leak)
                 for r in bounded_map(pool, convert_shard, tasks, 2 * max(1, params.workers), ordered=False):
                     results.append(r)
-                    bar.update(r.images)
+                    bar.update(r.images, images=r.images)
         for scratch in tmp.glob(".*"):                  # the leak check's arrays, spill files
             shutil.rmtree(scratch) if scratch.is_dir() else scratch.unlink()
         splits = _collect(results, sources, tmp, report)

@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import collections
 import copy
-import json
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -34,14 +33,14 @@ from pycocotools import mask as mask_utils
 from torch.utils.data import DataLoader, Dataset
 from torchvision.io import ImageReadMode, decode_jpeg
 
-from detpipe.files import filesystem as open_filesystem, is_url
+from detpipe.files import filesystem as open_filesystem, is_url, redact_url
 from detpipe.errors import StageError
 from detpipe.data.sampler import ResumableDistributedSampler
 from detpipe.data.cachefmt import INDEX_FILE
-from detpipe.data.streaming import ShardPrefetcher, redact, wait_for_shard
+from detpipe.data.streaming import ShardPrefetcher, wait_for_shard
 
 __all__ = ["CachedDetectionDataset", "ResumableDistributedSampler", "collate", "uses_masks", "check_cache_masks",
-           "read_meta", "micro_batches", "decode_images"]
+           "micro_batches", "decode_images"]
 
 _INDEX_COLUMNS = ("image_id", "variant", "height", "width", "orig_height", "orig_width", "scale_y", "scale_x",
                   "offset_y", "offset_x", "boxes", "labels", "shard", "batch")
@@ -161,8 +160,8 @@ class CachedDetectionDataset(Dataset):
             raise StageError(f"{self._split_dir}/{INDEX_FILE}: unknown pixel encoding {self.encoding!r} "
                              f"(expected one of {ENCODINGS}; re-run the augment stage)")
         self.defer_decode = False
-        self.local_dir: str | None = None  # streamed shards: where the prefetcher puts them (see micro_batches)
-        self.prefetcher: ShardPrefetcher | None = None  # set by micro_batches while it streams
+        self.local_dir: str | None = None  # streamed shards: where the prefetcher puts them (`start_streaming`)
+        self.prefetcher: ShardPrefetcher | None = None  # set by `start_streaming` (micro_batches) while it streams
         col = lambda name: table.column(name).to_numpy()  # noqa: E731
         variant = col("variant").astype(np.int64)
         image_id = col("image_id").astype(np.int64)
@@ -248,8 +247,41 @@ class CachedDetectionDataset(Dataset):
 
     def shard_url(self, shard: int) -> str:
         """Where shard ``shard`` lives (local path, or the URL without its query string)."""
-        base = redact(self.root) if is_url(self.root) else self._split_dir.rsplit("/", 1)[0]
+        base = redact_url(self.root, mark_query=False) if is_url(self.root) else self._split_dir.rsplit("/", 1)[0]
         return f"{base.rstrip('/')}/{self.split}/{self._shard_names[shard]}"
+
+    def start_streaming(self, plan: Iterable[np.ndarray], local_dir: str | None, max_bytes: int,
+                        lookahead: int) -> ShardPrefetcher | None:
+        """Stream this split's whole shards into a local folder that the readers then memory-map (what
+        `micro_batches` does for training), if the dataset reads a URL through its own filesystem; a local folder or
+        an explicit ``filesystem`` is read directly.
+
+        Args:
+            plan: per-epoch ``(n,)`` int64 arrays: the shard (as `sample_shards` numbers them) of each sample this
+                rank will read, in order; consumed lazily.
+            local_dir: folder for the copies (None: a new temporary folder).
+            max_bytes: bound on the bytes of the copies held, in bytes.
+            lookahead: samples ahead of the consumed position that readers may already wait for.
+        Returns:
+            the running `detpipe.data.streaming.ShardPrefetcher` (also ``self.prefetcher``; ``self.local_dir`` is its
+            folder), or None when there is nothing to stream. `stop_streaming` ends it.
+        Raises:
+            StageError: the split's remote folder cannot be listed.
+        """
+        if self._fs is None or self._explicit_fs is not None or not is_url(self.root):
+            return None
+        self.prefetcher = ShardPrefetcher(self._fs, self._split_dir,
+                                          f"{redact_url(self.root, mark_query=False)}/{self.split}",
+                                          self.shard_names(), local_dir, max_bytes, plan, lookahead)
+        self.local_dir = self.prefetcher.local_dir
+        return self.prefetcher
+
+    def stop_streaming(self) -> None:
+        """Stop the prefetcher of `start_streaming` (its copies are deleted) and read the shards directly again;
+        nothing to do when none runs."""
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+        self.local_dir = self.prefetcher = None
 
     def _reader(self, shard: int) -> ipc.RecordBatchFileReader:
         if self._pid != os.getpid():  # a forked or spawned worker: never reuse the parent's handles / clients
@@ -490,17 +522,6 @@ def check_cache_masks(cache_meta: dict, model_name: str, where: str = "data/cach
                      f"({_MASK_RULE})")
 
 
-def read_meta(path: str | Path) -> dict:
-    """Read a stage's ``meta.json``. Raises `StageError` naming the file if it is missing or not JSON."""
-    path = Path(path)
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise StageError(f"{path}: not found (run the previous stages first)") from None
-    except json.JSONDecodeError as e:
-        raise StageError(f"{path}: not valid JSON ({e})") from None
-
-
 def _epoch_plan(sampler: ResumableDistributedSampler, epoch: int, start: int, offset: int,
                 step: int) -> list[int]:
     """The indices this rank reads in ``epoch`` from its position ``start`` (whole optimizer steps of ``step``
@@ -538,19 +559,21 @@ def _one_line(e: Exception) -> str:
     return last[len(prefix):] if last.startswith(prefix) else " ".join(str(e).split())
 
 
-def micro_batches(dataset: CachedDetectionDataset, sampler: ResumableDistributedSampler, start_iter: int,
-                  iters_per_epoch: int, batch_size: int, accumulate: int, num_workers: int = 0,
+def micro_batches(dataset: CachedDetectionDataset, sampler: ResumableDistributedSampler,
+                  position: tuple[int, int, int], batch_size: int, accumulate: int, num_workers: int = 0,
                   pin_memory: bool = False, local_dir: str | None = None, local_bytes: int = 2 * 10**9,
                   decode_device: torch.device | None = None,
                   ) -> Iterator[list[tuple[list[torch.Tensor], list[dict]]]]:
-    """Endless training input from iteration ``start_iter`` on: each item is one optimizer step's list of
-    ``accumulate`` micro-batches ``(images, targets)`` as `collate` returns them (this rank's share).
+    """Endless training input from ``position`` on: each item is one optimizer step's list of ``accumulate``
+    micro-batches ``(images, targets)`` as `collate` returns them (this rank's share).
 
-    Epoch ``e`` covers iterations ``e * iters_per_epoch ..``; the sampler is positioned from ``start_iter``, so a
-    resumed run reads exactly what an uninterrupted one would — unless the sampler was loaded from a state saved at
-    another world size mid-epoch (its ``offset`` > 0): that epoch then continues from the sampler's own position
-    for ``sampler.remaining_in_epoch() // (batch_size * accumulate)`` iterations, and later epochs are the normal
-    ones. Incomplete steps at an epoch's end are dropped (``drop_last``).
+    ``position`` is where the first step reads, as ``(epoch, start, offset)`` in the meaning of
+    `ResumableDistributedSampler.set_epoch` (``start``: this rank's indices of ``epoch`` already consumed;
+    ``offset``: samples of the epoch's global order consumed at an earlier world size): ``(0, 0, 0)`` for a fresh
+    run; the trainer passes ``detpipe.engine.elastic.EpochPlan.locate(iteration)``, the one place that maps an
+    iteration to an epoch and a position, also after a change of world size. That epoch is read from ``start`` on,
+    every later epoch whole (``offset`` 0); the sampler's own position (``epoch``, ``start``, ``offset``) is not
+    used and not changed. Incomplete steps at an epoch's end are dropped (``drop_last``).
 
     One DataLoader serves every epoch (its ``num_workers`` processes start once and live until the generator is
     closed): the batch sampler hands out ``(epoch, i)`` pairs, so nothing in a worker depends on per-epoch state.
@@ -565,22 +588,14 @@ def micro_batches(dataset: CachedDetectionDataset, sampler: ResumableDistributed
         StageError: one line from the data (unreadable or missing shard, naming its path or URL).
     """
     step = batch_size * accumulate
-    if sampler.offset:  # resumed from another world size in the middle of an epoch
-        epoch, start, offset = sampler.epoch, sampler.start, sampler.offset
-    else:
-        epoch, pos = divmod(start_iter, iters_per_epoch)
-        start, offset = pos * step, 0
+    epoch, start, offset = position
     defer = decode_device is not None and torch.device(decode_device).type == "cuda" and dataset.encoding == "jpeg"
     dataset.defer_decode = defer
-    prefetcher = None
-    if dataset._fs is not None and dataset._explicit_fs is None and is_url(dataset.root):
-        shards = dataset.sample_shards()
-        lookahead = batch_size * (max(1, num_workers) * 2 + 2)  # DataLoader read-ahead: prefetch_factor 2/worker
-        prefetcher = ShardPrefetcher(dataset._fs, dataset._split_dir, f"{redact(dataset.root)}/{dataset.split}",
-                                     dataset.shard_names(), local_dir, local_bytes,
-                                     (shards[np.asarray(ix, dtype=np.int64)] for _, ix in
-                                      _plan(sampler, epoch, start, offset, step)), lookahead)
-        dataset.local_dir, dataset.prefetcher = prefetcher.local_dir, prefetcher
+    shards = dataset.sample_shards()
+    lookahead = batch_size * (max(1, num_workers) * 2 + 2)  # DataLoader read-ahead: prefetch_factor 2/worker
+    prefetcher = dataset.start_streaming((shards[np.asarray(ix, dtype=np.int64)]
+                                          for _, ix in _plan(sampler, epoch, start, offset, step)),
+                                         local_dir, local_bytes, lookahead)
     loader = DataLoader(dataset, batch_sampler=_BatchPlan(_plan(sampler, epoch, start, offset, step), batch_size),
                         num_workers=num_workers, collate_fn=collate, pin_memory=pin_memory)
     it, consumed, micro = iter(loader), 0, []
@@ -606,6 +621,5 @@ def micro_batches(dataset: CachedDetectionDataset, sampler: ResumableDistributed
     finally:
         del it
         if prefetcher is not None:
-            prefetcher.close()
-            dataset.local_dir = dataset.prefetcher = None
+            dataset.stop_streaming()
         dataset.defer_decode = False

@@ -42,9 +42,9 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from detpipe.data.fetch import (BACKOFF_S, CHUNK_BYTES, MAX_COMPRESSION_RATIO, MAX_EXTRACT_BYTES, archive_kind,
-                                check_relpath, extract, fetch, redact, source_name)
+                                check_relpath, extract, fetch, source_name)
 from detpipe.errors import StageError
-from detpipe.files import atomic_dir, folder_sha256, local_path, sha256_file, temp_prefix, url_protocol
+from detpipe.files import atomic_dir, folder_sha256, local_path, redact_url, sha256_file, temp_prefix, url_protocol
 from detpipe.params import Download
 from detpipe.paths import RAW_DIR
 
@@ -65,7 +65,7 @@ def verify(actual: str, expected: Optional[str], source: str, what: str, label: 
     Raises:
         StageError: mismatch; the message names the source, the expected and the actual hash.
     """
-    label = label or redact(source)
+    label = label or redact_url(source)
     log.info("sha256 of %s %s: %s", what, label, actual)
     if expected is None:
         log.info("sha256 is null: not checked (set it to %s to pin %s)", actual, label)
@@ -207,7 +207,8 @@ def download_parts(parts: Sequence[tuple[str, Optional[str]]], out: Path | str =
     """
     out = Path(out)
     several = len(parts) > 1
-    labels = [f"download.source[{i}] {redact(src)}" if several else redact(src) for i, (src, _) in enumerate(parts)]
+    labels = [f"download.source[{i}] {redact_url(src)}" if several else redact_url(src)
+              for i, (src, _) in enumerate(parts)]
     fetch_kw = dict(retries=retries, timeout_s=timeout_s, endpoint_url=endpoint_url, backoff_s=backoff_s)
     locals_ = [_local_source(src, out, label) for (src, _), label in zip(parts, labels)]
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -216,7 +217,7 @@ def download_parts(parts: Sequence[tuple[str, Optional[str]]], out: Path | str =
     with atomic_dir(out) as tmp, \
             tempfile.TemporaryDirectory(prefix=temp_prefix(out, "fetch"), dir=out.parent) as staging:
         for i, ((src, sha256), label, local) in enumerate(zip(parts, labels, locals_)):
-            log.info("download %s -> %s%s", redact(src), out, f" (part {i + 1} of {len(parts)})" if several else "")
+            log.info("download %s -> %s%s", redact_url(src), out, f" (part {i + 1} of {len(parts)})" if several else "")
             part_dir = Path(staging, f"part-{i}")
             part_dir.mkdir()
             dest = part_dir / "tree" if several else tmp

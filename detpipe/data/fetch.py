@@ -2,7 +2,9 @@
 
 Retries use `tenacity` (exponential backoff ``backoff_s * 2**k`` seconds, capped at `MAX_BACKOFF_S`, on transient
 errors only); an interrupted HTTP transfer resumes with ``Range: bytes=N-``. URLs become filesystems in
-`detpipe.files` (`url_protocol`, `fsspec_filesystem`). Credentials in URLs are redacted from every message (`redact`).
+`detpipe.files` (`url_protocol`, `fsspec_filesystem`). Credentials in URLs are redacted from every message
+(`detpipe.files.redact_url`). Transfers show their bytes with `detpipe.progress.Progress` (a bar on a terminal, a
+log line every 30 s elsewhere).
 """
 from __future__ import annotations
 
@@ -10,7 +12,6 @@ import logging
 import os
 import posixpath
 import shutil
-import sys
 import tarfile
 import zipfile
 from pathlib import Path
@@ -21,6 +22,7 @@ import tenacity
 
 from detpipe.errors import StageError
 from detpipe.files import fsspec_filesystem, is_url, iter_files, redact_url, url_protocol
+from detpipe.progress import Progress
 
 log = logging.getLogger("detpipe.data.fetch")
 
@@ -35,11 +37,6 @@ and Jitter", 2015, without the jitter)."""
 MAX_BACKOFF_S = 60.0
 
 T = TypeVar("T")
-
-
-def redact(url: str) -> str:
-    """``url`` fit for logs and error messages (`detpipe.files.redact_url`: credentials and query hidden)."""
-    return redact_url(url)
 
 
 def archive_kind(name: str) -> Optional[str]:
@@ -125,7 +122,7 @@ def _is_transient(exc: BaseException) -> bool:
 
 def _permanent_error(exc: BaseException, source: str) -> StageError:
     """A one-line `StageError` for a failed fetch of ``source`` that retrying cannot fix."""
-    url = redact(source)
+    url = redact_url(source)
     if isinstance(exc, FileNotFoundError):
         return StageError(f"{url}: not found")
     if isinstance(exc, PermissionError):
@@ -157,7 +154,7 @@ def with_retries(fn: Callable[[], T], source: str, retries: int, backoff_s: floa
         return max(base(state), min(after, MAX_BACKOFF_S))
 
     def before_sleep(state: tenacity.RetryCallState) -> None:
-        log.warning("%s: %s; retry %d/%d in %.1f s", redact(source), _exc_text(state.outcome.exception(), source),
+        log.warning("%s: %s; retry %d/%d in %.1f s", redact_url(source), _exc_text(state.outcome.exception(), source),
                     state.attempt_number, retries, state.next_action.sleep)
 
     retrying = tenacity.Retrying(stop=tenacity.stop_after_attempt(retries + 1), wait=wait,
@@ -169,27 +166,19 @@ def with_retries(fn: Callable[[], T], source: str, retries: int, backoff_s: floa
         raise
     except Exception as e:                               # noqa: BLE001 - classified right below
         if _is_transient(e):
-            raise StageError(f"{redact(source)}: failed after {retries + 1} attempts: "
+            raise StageError(f"{redact_url(source)}: failed after {retries + 1} attempts: "
                              f"{_exc_text(e, source)}") from None
         raise _permanent_error(e, source) from None
 
 
 # --------------------------------------------------------------------------------------------- fetching
 
-def _progress(total: Optional[int], desc: str, initial: int = 0):
-    """A tqdm byte progress bar on stderr (bytes, rate; shown when stderr is a terminal)."""
-    from tqdm import tqdm
-
-    return tqdm(total=total, initial=initial, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
-                file=sys.stderr, disable=None, leave=False, dynamic_ncols=True)
-
-
 class _HttpDownload:
     """One resumable HTTP download; each call is one attempt (see `http_fetch`)."""
 
-    def __init__(self, url: str, dest: Path, timeout_s: float, session, bar):
-        self.url, self.dest, self.timeout_s, self.session, self.bar = url, dest, timeout_s, session, bar
-        self.label = redact(url)
+    def __init__(self, url: str, dest: Path, timeout_s: float, session, progress: Progress):
+        self.url, self.dest, self.timeout_s, self.session, self.progress = url, dest, timeout_s, session, progress
+        self.label = redact_url(url)
         self.validator: Optional[str] = None             # ETag / Last-Modified of the first answer
 
     def __call__(self) -> int:
@@ -232,12 +221,11 @@ class _HttpDownload:
                 etag = r.headers.get("ETag")
                 self.validator = (etag if etag and not etag.startswith("W/") else None) \
                     or r.headers.get("Last-Modified")
-            self.bar.reset(total=total)
-            self.bar.update(have)
+            self.progress.reset(total, have)
             with open(dest, mode) as f:
                 for chunk in _body_chunks(r.raw):
                     f.write(chunk)
-                    self.bar.update(len(chunk))
+                    self.progress.update(len(chunk))
             size = dest.stat().st_size
             if total is not None and size != total:
                 raise _Transient(f"truncated body: {size} of {total} bytes")
@@ -269,8 +257,8 @@ def http_fetch(url: str, dest: Path | str, *, retries: int = 3, timeout_s: float
     """
     import requests
 
-    with _progress(None, source_name(url)) as bar:
-        attempt = _HttpDownload(url, Path(dest), timeout_s, session or requests.Session(), bar)
+    with Progress(None, source_name(url), unit="B") as progress:
+        attempt = _HttpDownload(url, Path(dest), timeout_s, session or requests.Session(), progress)
         return with_retries(attempt, url, retries, backoff_s)
 
 
@@ -339,24 +327,24 @@ def fetch(source: str, dest: Path | str, *, retries: int = 3, timeout_s: float =
     proto = url_protocol(source)
     if proto in ("http", "https"):
         if urlsplit(source).path.endswith("/"):
-            raise StageError(f"{redact(source)}: an HTTP source must be a single file or archive, not a folder")
+            raise StageError(f"{redact_url(source)}: an HTTP source must be a single file or archive, not a folder")
         http_fetch(source, dest, retries=retries, timeout_s=timeout_s, backoff_s=backoff_s)
         return dest
     if endpoint_url and proto not in ("s3", "s3a"):
-        log.warning("download.endpoint_url is set but %s is not an s3:// source: ignored", redact(source))
-    fs, path = fsspec_filesystem(source, endpoint_url=endpoint_url, timeout_s=timeout_s, label=redact(source))
+        log.warning("download.endpoint_url is set but %s is not an s3:// source: ignored", redact_url(source))
+    fs, path = fsspec_filesystem(source, endpoint_url=endpoint_url, timeout_s=timeout_s, label=redact_url(source))
     n_retries = 0 if proto == "file" else retries
     if with_retries(lambda: fs.isdir(path), source, n_retries, backoff_s):
         _fetch_folder(fs, path, source, dest, n_retries, backoff_s)
     else:
         info = with_retries(lambda: fs.info(path), source, n_retries, backoff_s)
-        with _progress(info.get("size"), source_name(source)) as bar:
+        with Progress(info.get("size"), source_name(source), unit="B") as progress:
             def get() -> None:
-                bar.reset(total=bar.total)
+                progress.reset(progress.total)
                 with fs.open(path, "rb", block_size=CHUNK_BYTES) as src, open(dest, "wb") as out:
                     while chunk := src.read(CHUNK_BYTES):
                         out.write(chunk)
-                        bar.update(len(chunk))
+                        progress.update(len(chunk))
 
             with_retries(get, source, n_retries, backoff_s)
     return dest
@@ -375,11 +363,11 @@ def _fetch_folder(fs, path: str, source: str, dest: Path, retries: int, backoff_
             if info.get("type") == "directory" or key.endswith("/"):
                 continue
             rel = key[len(root):].lstrip("/") if key.startswith(root) else key
-            check_relpath(rel, redact(source), rel)
+            check_relpath(rel, redact_url(source), rel)
             files[rel], remote[rel] = int(info.get("size") or 0), key
     dest.mkdir(parents=True, exist_ok=True)
-    log.info("%s: copying %d files (%d bytes)", redact(source), len(files), sum(files.values()))
-    with _progress(sum(files.values()), source_name(source)) as bar:
+    log.info("%s: copying %d files (%d bytes)", redact_url(source), len(files), sum(files.values()))
+    with Progress(sum(files.values()), source_name(source), unit="B") as progress:
         for rel in sorted(files):
             out = dest.joinpath(*rel.split("/"))
             out.parent.mkdir(parents=True, exist_ok=True)
@@ -389,7 +377,7 @@ def _fetch_folder(fs, path: str, source: str, dest: Path, retries: int, backoff_
                     shutil.copyfileobj(src, f, CHUNK_BYTES)
 
             with_retries(one, f"{source.rstrip('/')}/{rel}", retries, backoff_s)
-            bar.update(files[rel])
+            progress.update(files[rel])
 
 
 # --------------------------------------------------------------------------------------------- extraction

@@ -59,12 +59,6 @@ RATE_WINDOW_S = 0.1  # the consumption rate is measured over windows at least th
 CHUNK_BYTES = 8 << 20  # bytes asked for per GET of a copy (one buffer of this size per copy in flight)
 
 
-def redact(url: str) -> str:
-    """``url`` for messages, as a base that shard names are appended to: credentials hidden and the query string
-    (options such as ``endpoint_override`` may carry hosts or tokens) dropped (`detpipe.files.redact_url`)."""
-    return redact_url(url, mark_query=False)
-
-
 def wait_for_shard(local_dir: str, name: str, url: str, timeout_s: float = WAIT_TIMEOUT_S) -> str:
     """Block until the prefetcher has put shard ``name`` into ``local_dir``; return its local path.
 
@@ -79,7 +73,8 @@ def wait_for_shard(local_dir: str, name: str, url: str, timeout_s: float = WAIT_
         if os.path.exists(err):
             raise StageError(Path(err).read_text().strip())
         if time.monotonic() > deadline:
-            raise StageError(f"{redact(url)}: not fetched into {local_dir} after {timeout_s:g} s (prefetcher stalled)")
+            raise StageError(f"{redact_url(url, mark_query=False)}: not fetched into {local_dir} after {timeout_s:g} s "
+                             "(prefetcher stalled)")
         time.sleep(delay)
         delay = min(delay * 2, 0.05)
     return path
@@ -120,7 +115,7 @@ class ShardPrefetcher:
         try:
             infos = fs.get_file_info(pafs.FileSelector(remote_dir))
         except OSError as e:
-            raise StageError(f"{redact(url)}: cannot list the cache shards ({e})") from None
+            raise StageError(f"{redact_url(url, mark_query=False)}: cannot list the cache shards ({e})") from None
         sizes = {Path(i.path).name: i.size for i in infos if i.type == pafs.FileType.File}
         self.sizes = [sizes.get(n) for n in names]
         self.gets = 0  # whole-shard copies started
@@ -141,7 +136,7 @@ class ShardPrefetcher:
         self._thread.start()
 
     def shard_url(self, shard: int) -> str:
-        return f"{redact(self.url)}/{self.names[shard]}"
+        return f"{redact_url(self.url, mark_query=False)}/{self.names[shard]}"
 
     def consumed(self, position: int) -> None:
         """The training loop has used every sample of the plan before ``position`` (counted from the plan's

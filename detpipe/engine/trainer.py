@@ -1,11 +1,11 @@
 """The detection trainer: a torchvision detector trained with DDP from the augmentation cache, resumable at any
 point (the train stage's work; `stages.train` launches it).
 
-`build_trainer` sets up the process (distributed group, threads, seeds), builds the model (`build_detector`),
-optimizer, data and hooks; `train` resumes from a matching checkpoint, runs the loop and writes
-``models/model.pt``. A checkpoint holds model, optimizer, grad scaler, the event storage (metric rows), every
-hook's state, the iteration (hence the sampler's position in its epoch) and every rank's RNG states, plus a
-`fingerprint` of the params and data that produced it.
+`build_trainer` sets up the process (distributed group: `detpipe.engine.distributed`; threads, seeds), builds the
+model (`detpipe.models.build_detector`), optimizer, data and hooks; `train` resumes from a matching checkpoint, runs
+the loop and writes ``models/model.pt``. A checkpoint holds model, optimizer, grad scaler, the event storage (metric
+rows), every hook's state, the iteration (hence the sampler's position in its epoch: `detpipe.engine.elastic`) and
+every rank's RNG states, plus a `fingerprint` of the params and data that produced it.
 """
 from __future__ import annotations
 
@@ -27,16 +27,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from detpipe import params as params_mod
 from detpipe.engine.checkpoints import FORMAT, find_resume_state, list_checkpoints, rng_state, save_atomic, set_rng_state
-from detpipe.data.dataset import (CachedDetectionDataset, ResumableDistributedSampler, check_cache_masks, micro_batches,
-                          read_meta, uses_masks)
-from detpipe.launch.distributed import setup_distributed
-from detpipe.launch.elastic import EpochPlan, record_samples
+from detpipe.data.dataset import CachedDetectionDataset, ResumableDistributedSampler, micro_batches, uses_masks
+from detpipe.data.meta import read_meta
+from detpipe.engine.distributed import setup_distributed
+from detpipe.engine.elastic import EpochPlan, record_samples
 from detpipe.engine.train_loop import HookBase, TrainerBase
-from detpipe.launch.torchrun import LAUNCH_ONLY
 from detpipe.errors import Interrupted, StageError, received_signal
 from detpipe.engine.hooks import CheckpointHook, EMAHook, EvalHook, LRScheduleHook, MetricsHook, ProgressHook
-from detpipe.files import is_url, join_url, read_url_bytes
-from detpipe.models import build_from_config, load_weights, model_config
+from detpipe.models import build_detector, load_weights
 from detpipe.paths import ARROW_META, CACHE_DIR, CKPT_DIR, LIVE_DIR, MODEL as MODEL_OUT
 
 log = logging.getLogger("detpipe.engine.trainer")
@@ -44,7 +42,8 @@ log = logging.getLogger("detpipe.engine.trainer")
 
 # Params that do not change the result of training: a checkpoint made with other values resumes.
 _NOT_IN_FINGERPRINT = {"resume", "keep_last", "checkpoint_every", "num_workers", "threads", "log_every",
-                       "eval_every", "log_every_s", "cache_url", "cache_local_dir", "cache_local_bytes"} | LAUNCH_ONLY
+                       "eval_every", "log_every_s", "cache_url", "cache_local_dir",
+                       "cache_local_bytes"} | params_mod.LAUNCH_ONLY
 
 
 def fingerprint(cfg: params_mod.Train, cache_meta: bytes, arrow_meta: bytes) -> str:
@@ -61,7 +60,7 @@ class Trainer(TrainerBase):
 
     Everything is given to the constructor (`build_trainer` builds it): ``model`` (on ``device``, wrapped in DDP
     here when ``world_size > 1`` and compiled when ``cfg.compile``), ``optimizer``, ``dataset``, ``config``
-    (`model_config`'s dict), the data's `fingerprint`, and ``hooks`` (registered in this order).
+    (`detpipe.models.model_config`'s dict), the data's `fingerprint`, and ``hooks`` (registered in this order).
     ``max_iter`` is ``cfg.epochs`` times the iterations per epoch; ``ema`` the `EMAHook` among ``hooks`` or None.
     ``run_step`` puts ``loss``, each loss term, ``data_time``, ``step_time`` (seconds), ``images_per_s``,
     ``bad_steps`` and ``memory_mb`` into ``storage``.
@@ -114,7 +113,7 @@ class Trainer(TrainerBase):
         A non-finite loss on any rank skips the step on every rank and is counted."""
         t0 = time.perf_counter()
         if self._data is None:
-            self._data = micro_batches(self.dataset, self.sampler, self.iter, self.iters_per_epoch,
+            self._data = micro_batches(self.dataset, self.sampler, self.plan.locate(self.iter),
                                        self.cfg.batch_size, self.cfg.accumulate, self.cfg.num_workers,
                                        pin_memory=self.device.type == "cuda", local_dir=self.cfg.cache_local_dir,
                                        local_bytes=self.cfg.cache_local_bytes, decode_device=self.device)
@@ -203,44 +202,6 @@ def weights_digest(model: torch.nn.Module) -> str:
         h.update(k.encode())
         h.update(v.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]
-
-
-def model_kwargs(name: str, cache_meta: dict) -> dict:
-    """Builder kwargs so the model's own transform keeps the cached size (no second resize).
-
-    SSD/SSDlite resize to a fixed size set by the builder: the cache must be ``fixed`` at that size.
-    The others (R-CNN, RetinaNet, FCOS) get ``min_size``/``max_size`` from the cache's resize settings.
-    Raises:
-        StageError: an SSD model with a cache of another size or mode.
-    """
-    if name.startswith("ssd"):
-        native = 320 if name.startswith("ssdlite320") else 300 if name.startswith("ssd300") else None
-        if cache_meta["resize"] != "fixed" or (native and cache_meta["size"] != native):
-            raise StageError(f"params.yaml: {name} resizes images to {native}x{native}; set augment.resize: fixed "
-                             f"and augment.size: {native} (cache has {cache_meta['resize']} {cache_meta['size']})")
-        return {}
-    if cache_meta["resize"] == "fixed":
-        return {"min_size": cache_meta["size"], "max_size": cache_meta["size"]}
-    return {"min_size": cache_meta["min_size"], "max_size": cache_meta["max_size"]}
-
-
-def build_detector(cfg: params_mod.Train, arrow_meta: Path = ARROW_META,
-                   cache_dir: Path = CACHE_DIR) -> tuple[torch.nn.Module, dict, bytes]:
-    """The untrained model ``cfg.model`` sized for the cache (`model_kwargs`), with the cache's masks checked
-    for a mask model. Returns ``(model, config, cache meta.json bytes)``; the cache is ``cfg.cache_url`` or
-    ``cache_dir``.
-    Raises:
-        StageError: missing inputs, unknown model, a mask model on a cache without masks.
-    """
-    meta = read_meta(arrow_meta)
-    cache_root = cfg.cache_url or str(cache_dir)
-    cache_meta_bytes = read_cache_meta_bytes(cache_root)
-    cache_meta = json.loads(cache_meta_bytes)
-    config = model_config(cfg.model, int(meta["num_classes"]), **model_kwargs(cfg.model, cache_meta))
-    model = build_from_config(config)
-    if uses_masks(model):  # Mask R-CNN: targets carry the cached instance masks
-        check_cache_masks(cache_meta, cfg.model, f"{cache_root.split('?')[0]}/meta.json")
-    return model, config, cache_meta_bytes
 
 
 def build_trainer(cfg: params_mod.Train, cache_dir: Path = CACHE_DIR, arrow_meta: Path = ARROW_META,
@@ -349,14 +310,6 @@ def check_ranks_agree(model: torch.nn.Module, distributed: bool, rank: int, worl
     bad = [r for r, d in enumerate(digests) if d != digests[0]]
     if bad:
         raise StageError(f"training: final weights of ranks {bad} differ from rank 0's ({digests})")
-
-
-def read_cache_meta_bytes(root: str) -> bytes:
-    """Bytes of ``<root>/meta.json`` for a local cache directory or a URL (``s3://...``).
-    Raises `StageError` naming the location when it cannot be read."""
-    if not is_url(root) and not (Path(root) / "meta.json").is_file():
-        raise StageError(f"{Path(root) / 'meta.json'}: not found (run the augment stage first)")
-    return read_url_bytes(join_url(root, "meta.json"), "train.cache_url" if is_url(root) else "augment cache")
 
 
 def make_eval_fn(cache_dir: str | Path, arrow_meta: Path):

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader
 
 from detpipe.evaluation.cocoeval import pr_curve_rows
 from detpipe.data.dataset import CachedDetectionDataset, collate
+from detpipe.data.meta import arrow_shards
 from detpipe.progress import track
 from detpipe.errors import StageError
 from detpipe.data.imageio import decode_rgb
@@ -33,10 +34,15 @@ def gt_from_arrow(split_dir: Path, meta: dict) -> dict:
 
     Boxes are ``[x, y, w, h]`` original pixels (float32 in Arrow), ``segmentation`` is parsed back from its
     JSON text (omitted when empty), ids are int64.
+
+    Args:
+        split_dir: the split's folder (``data/arrow/val``); its shards are those ``meta`` lists
+            (`detpipe.data.meta.arrow_shards`).
+        meta: the convert stage's ``meta.json`` (`detpipe.data.meta.read_meta`).
     Raises:
-        StageError: no shards in ``split_dir``.
+        StageError: no shards listed for the split, or a listed shard missing.
     """
-    shards = sorted(Path(split_dir).glob("*.arrow"))
+    shards = arrow_shards(split_dir, meta)
     if not shards:
         raise StageError(f"{split_dir}: no Arrow shards found (run the convert stage first)")
     images, annotations = [], []
@@ -206,8 +212,9 @@ def write_plots(plots_dir: Path, result, dets: list[dict], gt: dict, val_dir: Pa
 
 
 def _val_image_rows(split_dir: Path, n: int) -> list[dict]:
+    """The first ``n`` rows (``image_id``, ``file_name``, ``image``) of the split's shards, in order."""
     rows = []
-    for shard in sorted(Path(split_dir).glob("*.arrow")):
+    for shard in arrow_shards(split_dir):
         if len(rows) >= n:
             break
         table = ipc.open_file(pa.memory_map(str(shard))).read_all().select(["image_id", "file_name", "image"])

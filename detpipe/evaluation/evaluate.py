@@ -35,8 +35,9 @@ from detpipe import params as params_mod
 from detpipe.evaluation.cocoeval import coco_evaluate
 from detpipe.errors import StageError
 from detpipe.files import atomic_write_json
-from detpipe.data.dataset import CachedDetectionDataset, read_meta, uses_masks
-from detpipe.launch.distributed import setup_distributed
+from detpipe.data.dataset import CachedDetectionDataset, uses_masks
+from detpipe.data.meta import read_meta
+from detpipe.engine.distributed import setup_distributed
 from detpipe.evaluation.coco_evaluation import gt_from_arrow, label_to_category_id, predict, write_plots
 from detpipe.launch.torchrun import launch_local
 from detpipe.models import load_model

@@ -26,6 +26,7 @@ import torch
 import torchvision
 from torchvision.ops import box_iou
 
+from detpipe.data.meta import read_meta
 from detpipe.files import folder_sha256
 
 SCORE_TOL = 1e-5
@@ -294,7 +295,7 @@ def model_card(ckpt: dict, report: dict, arrow_dir: Path, metrics_path: Path) ->
     """Markdown model card: dataset hash (manifest sha256 of the Arrow shards, `detpipe.files.folder_sha256`),
     training params, COCO metrics (if ``metrics_path`` exists), the input/output spec of each exported file, the
     parity figures and minimal snippets to run the files."""
-    meta = json.loads((Path(arrow_dir) / "meta.json").read_text())
+    meta = read_meta(Path(arrow_dir) / "meta.json", "convert")
     metrics = json.loads(Path(metrics_path).read_text()) if Path(metrics_path).is_file() else None
     masks = bool(report.get("masks"))
     mask_spec = ", `masks` `float32 (N, 1, H, W)` mask probabilities in [0, 1] at input pixels (> 0.5: in the " \

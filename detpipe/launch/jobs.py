@@ -22,15 +22,19 @@ TRAIN_MODULE = "stages.train"
 
 def check_inputs(cfg: Train) -> None:
     """Fail fast, before launching workers, on problems every worker would hit: missing inputs, unknown model,
-    a mask model on a cache without masks, a weights file that does not exist.
+    an SSD model on a cache of another size, a mask model on a cache without masks, a weights file that does not
+    exist.
+
+    The model is built as each worker builds it (`detpipe.models.build_detector`, the same checks), but on the meta
+    device: its structure only, no weights allocated or initialized (the workers build the real one).
 
     Raises:
         StageError: one line naming the setting or file and the problem.
     """
-    from detpipe.engine.trainer import build_detector
     from detpipe.files import is_url
+    from detpipe.models import build_detector
 
-    build_detector(cfg)
+    build_detector(cfg, device="meta")
     if cfg.weights and not is_url(cfg.weights) and not Path(cfg.weights).exists() and \
             ("/" in cfg.weights or cfg.weights.endswith((".pt", ".pth"))):
         raise StageError(f"params.yaml: key 'train.weights': file '{cfg.weights}' not found")

@@ -40,22 +40,13 @@ import psutil
 
 from detpipe.errors import StageError
 from detpipe.lifeline import LAUNCHER_PID_ENV
+from detpipe.worker_env import COLLECTIVE_TIMEOUT_ENV
 
 log = logging.getLogger("detpipe.launch.torchrun")
-
-# Train params that only say how the job is launched: they change neither what is trained nor its result.
-LAUNCH_ONLY = frozenset({"nnodes", "rdzv_endpoint", "max_restarts", "rdzv_id", "rdzv_join_timeout_s",
-                         "rdzv_last_call_s", "launcher", "slurm_partition", "slurm_time", "slurm_tasks_per_node",
-                         "slurm_cpus_per_task", "slurm_extra", "k8s_image", "k8s_pvc", "k8s_gpus",
-                         "collective_timeout_s", "socket_ifname"})
 
 AGENT_MODULE = "detpipe.launch.torchrun"
 """What job scripts start on each node (Slurm's ``srun``, the Kubernetes pods): torchrun's agent completed on the
 node, with this project's networking and lifetime fixes (`main`)."""
-
-COLLECTIVE_TIMEOUT_ENV = "DETPIPE_COLLECTIVE_TIMEOUT_S"
-"""Environment variable carrying ``train.collective_timeout_s`` (seconds) to the workers
-(`detpipe.launch.distributed.setup_distributed` reads it)."""
 
 
 def parse_nnodes(spec: str) -> tuple[int, int]:

@@ -21,7 +21,6 @@ outlive a killed flow-run process are not reached; it also logs stderr apart fro
 """
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
@@ -31,17 +30,15 @@ from pathlib import Path
 
 import psutil
 
+if not __package__:  # run as a file by `run_logged` (the guard): import detpipe from this file's own checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from detpipe.lifeline import PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, prctl  # noqa: E402
+
 GRACE_S = 15.0        # SIGINT -> SIGKILL (seconds); Prefect's runner allows 30 s between its SIGTERM and SIGKILL
-_PR_SET_PDEATHSIG, _PR_SET_CHILD_SUBREAPER = 1, 36  # <linux/prctl.h>
 
 
 class CommandError(RuntimeError):
     """A command exited with a non-zero status; the message quotes its last ``error`` lines."""
-
-
-def _prctl(option: int, value: int) -> None:
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(option, value, 0, 0, 0)
 
 
 def child_env() -> dict[str, str]:
@@ -150,11 +147,11 @@ def _alive(child: subprocess.Popen) -> list[psutil.Process]:
 def guard(parent: int, cmd: list[str]) -> int:
     """Run ``cmd`` in its own session as a child subreaper bound to process ``parent`` (see the module
     docstring); return its exit status (128 + signal number if it was stopped by one)."""
-    _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    prctl(PR_SET_CHILD_SUBREAPER, 1)
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
     signal.signal(signal.SIGINT, lambda *_: stopping.append(1))
-    _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != parent:
         return 128 + signal.SIGTERM
     child = subprocess.Popen(cmd, start_new_session=True)

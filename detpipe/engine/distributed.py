@@ -1,6 +1,8 @@
-"""Distributed setup inside a worker: init the process group with a collective timeout, and turn a collective that
-failed (timed out, or its peer went away) into one line naming the collective and the lost peer. Launching the
-workers (torchrun, Slurm, Kubernetes) is `detpipe.launch.torchrun`; a worker ties its life to its launcher's with
+"""Distributed setup inside a worker (the worker side of the process boundary, as detectron2's ``utils/comm``): init
+the process group with a collective timeout, and turn a collective that failed (timed out, or its peer went away)
+into one line naming the collective and the lost peer. Launching the workers (torchrun, Slurm, Kubernetes) is
+`detpipe.launch` (`detpipe.launch.torchrun`), which this module does not import: the timeout arrives in the
+environment (`detpipe.worker_env.COLLECTIVE_TIMEOUT_ENV`). A worker ties its life to its launcher's with
 `detpipe.lifeline.die_with_launcher`."""
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from detpipe.launch.torchrun import COLLECTIVE_TIMEOUT_ENV
+from detpipe.worker_env import COLLECTIVE_TIMEOUT_ENV
 
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0

@@ -1,5 +1,6 @@
-"""Trainer side of elastic restarts: which epoch, and where in it, each iteration reads when the world size may
-have changed at the last restart; and an optional per-rank record of the samples each iteration trained on.
+"""Worker side of elastic restarts (the launcher side is `detpipe.launch.torchrun`): which epoch, and where in it,
+each iteration reads when the world size may have changed at the last restart; and an optional per-rank record of
+the samples each iteration trained on.
 
 Without a world-size change iteration ``i`` reads epoch ``i // iters_per_epoch`` from sampler position
 ``(i % iters_per_epoch) * per_step``. After a restart at another world size the interrupted epoch is finished
