@@ -13,7 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import threading
+import time
+
+START_S = float(os.environ.get("DETPIPE_TEST_PROXY_START_S", "60"))
+"""Seconds a `DelayProxy` may take to listen (``$DETPIPE_TEST_PROXY_START_S``): a bound for a loaded machine."""
 
 
 class DelayProxy:
@@ -27,7 +32,8 @@ class DelayProxy:
             included), i.e. requests the client is waiting for right now.
         max_in_flight: the most ``in_flight`` seen since the last `reset`.
     Raises:
-        RuntimeError: the listening socket did not come up within 10 s.
+        RuntimeError: the proxy's thread failed to listen (its error), or its socket did not come up within
+            ``START_S`` seconds (a bound for a loaded machine, not a proxy for anything: listening takes milliseconds).
     """
 
     def __init__(self, upstream: tuple[str, int], delay_s: float = 0.0):
@@ -45,9 +51,14 @@ class DelayProxy:
             ready.set()
 
         self._thread = threading.Thread(target=self._run, args=(start,), name="delay-proxy", daemon=True)
+        self._error: BaseException | None = None
         self._thread.start()
-        if not ready.wait(10):
-            raise RuntimeError("delay proxy did not start within 10 s")
+        deadline = time.monotonic() + START_S
+        while not ready.wait(0.1):  # until it listens, or its thread is gone (then say why), or the bound
+            if not self._thread.is_alive():
+                raise RuntimeError(f"delay proxy did not start: {self._error!r}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"delay proxy did not start within {START_S:g} s")
 
     def __enter__(self) -> "DelayProxy":
         return self
@@ -61,7 +72,11 @@ class DelayProxy:
 
     def _run(self, start) -> None:
         asyncio.set_event_loop(self._loop)
-        self._loop.run_until_complete(start())
+        try:
+            self._loop.run_until_complete(start())
+        except BaseException as e:  # reported by __init__
+            self._error = e
+            return
         self._loop.run_forever()
 
     async def _handle(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
