@@ -3,9 +3,9 @@
 Run from the repository root after changing imports: python .ci/sync_dvc_deps.py
 """
 import re, sys
-sys.path.insert(0, "tests"); sys.path.insert(0, ".")
+sys.path.insert(0, ".ci")
 from pathlib import Path
-from test_layout import code_closure, ROOT
+from imports import code_closure, ROOT
 text = Path("dvc.yaml").read_text().splitlines(keepends=True)
 out, stage, in_deps = [], None, False
 for line in text:

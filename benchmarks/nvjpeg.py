@@ -8,7 +8,7 @@ untimed warm-up step (worker start-up, nvJPEG's handle), then at least ``--batch
 are timed, each ending with ``torch.cuda.synchronize``; each side is measured ``--rounds`` times, alternating, and
 the best round counts. Before anything is timed, every train image is decoded both ways and their differences
 printed (RGB and luma, per image, in levels); the luma must agree within torchvision's bound for nvJPEG vs the CPU
-decoder (mean absolute difference < 2 levels; tests/test_gpu.py says why luma).
+decoder (mean absolute difference < 2 levels; tests/system/test_gpu.py says why luma).
 
     python -m benchmarks.nvjpeg [--images 128] [--batch-size 16] [--batches 20] [--min-seconds 1]
                                 [--rounds 3] [--workers 0]

@@ -1,6 +1,6 @@
 """The environment the launcher hands its workers: the names of the variables `detpipe.launch` sets for every
 worker and `detpipe.engine` reads inside one. Both sides import this module, neither imports the other
-(tests/test_layout.py).
+(tests/unit/test_layout.py).
 """
 from __future__ import annotations
 

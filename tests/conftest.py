@@ -192,6 +192,6 @@ def learns_prepared(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def fitted_workdir(tmp_path_factory) -> Path:
     """A copy of `learns_prepared` after the real train (150 iterations: the detector fits the 4 images, see
-    tests/test_learns.py) and evaluate stages: ``models/model.pt``, ``metrics/eval.json``. Tests must not modify
+    tests/stages/test_learns.py) and evaluate stages: ``models/model.pt``, ``metrics/eval.json``. Tests must not modify
     it: copy it (a few MB)."""
     return prebuild.get("fitted_workdir")

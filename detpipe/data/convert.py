@@ -64,7 +64,7 @@ space: a val file may reuse train's ids; reports name the split with every id.
 
 Image check (`detpipe.data.imageio.inspect_image`): JPEG files (all of COCO) are decoded with ``Image.draft`` at 1/8 scale: libjpeg
 still entropy-decodes every block, skipping only the full-size IDCT and colour conversion, so it rejects the same
-files as ``decode_rgb`` at about 40 % of its cost (tests/test_convert.py checks the agreement on truncated and
+files as ``decode_rgb`` at about 40 % of its cost (tests/stages/test_convert.py checks the agreement on truncated and
 garbled COCO images). Other formats are decoded in full with ``decode_rgb``.
 
 Streaming and parallel: the annotation file is never held whole (`detpipe.data.coco.read_coco`): it is read in

@@ -54,7 +54,7 @@ _OPEN_SHARDS = 16  # streamed shards a process keeps memory-mapped (older ones a
 def decode_images(data: list[torch.Tensor], device: torch.device | str = "cpu") -> list[torch.Tensor]:
     """Decode JPEG-encoded cache images: ``data`` are 1-D ``uint8`` CPU tensors (the stored bytes); returns
     ``(3, H, W)`` ``uint8`` RGB tensors on ``device``, via one batched ``torchvision.io.decode_jpeg`` call (nvJPEG on
-    CUDA: tests/test_gpu.py; its luma agrees with the CPU decode within 0.33 levels on COCO128, its RGB within 2.3,
+    CUDA: tests/system/test_gpu.py; its luma agrees with the CPU decode within 0.33 levels on COCO128, its RGB within 2.3,
     the chroma upsampling differing). Raises RuntimeError on bytes that are not a JPEG."""
     if not data:
         return []

@@ -3,7 +3,7 @@ wait, cancel when stopped).
 
 The script (`sbatch_script`) asks for ``MAX / train.slurm_tasks_per_node`` nodes of ``train.nnodes`` (``N`` or
 ``MIN:MAX``; it counts torchrun agents, one per Slurm task, normally one per node: a ``--nodes=MIN-MAX`` range was
-given its minimum by Slurm 22.05 even with idle nodes, measured in tests/test_cluster.py) with
+given its minimum by Slurm 22.05 even with idle nodes, measured in tests/system/test_cluster.py) with
 ``train.slurm_tasks_per_node`` tasks each; ``srun`` starts one torchrun agent per task with the same arguments
 as a local launch (`detpipe.launch.torchrun.torchrun_args`), the c10d rendezvous on the job's first node at the port
 of ``train.rdzv_endpoint`` and ``$SLURM_JOB_ID`` as rendezvous id. A failed worker or node: torchrun restarts

@@ -58,7 +58,7 @@ def make_coco_subset(dest: Path, n_images: int = 12) -> dict:
     return subset
 
 
-# The "learns" data (tests/test_learns.py, the `fitted_workdir` fixture): COCO128 images with one or two large
+# The "learns" data (tests/stages/test_learns.py, the `fitted_workdir` fixture): COCO128 images with one or two large
 # objects of four classes: zebra (34), dog (42), giraffe (72), elephant (263); 4 images, 7 objects, 4 classes +
 # background. Train and val are the same images: val is a copy of the train JSON whose image and annotation ids are
 # offset by `LEARNS_ID_OFFSET` (``convert.val_annotations``), so it is converted and cached like any explicit val split;
@@ -131,7 +131,7 @@ def recalibrated_model(work: Path):
     return model, ckpt
 
 
-# Elastic and cluster tests (tests/test_elastic.py, tests/test_cluster.py): 9 training images, 2 per micro-batch,
+# Elastic and cluster tests (tests/system/test_elastic.py, tests/system/test_cluster.py): 9 training images, 2 per micro-batch,
 # a checkpoint per iteration: 2 iterations per epoch with 2 ranks, 4 with 1.
 ELASTIC_TRAIN = {"epochs": 2, "batch_size": 2, "checkpoint_every": 1, "keep_last": 50, "threads": 1,
                  "warmup_iters": 1}

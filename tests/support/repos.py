@@ -33,7 +33,7 @@ def copy_repo(dest: Path, n_images: int = 12) -> Path:
 def make_repo(dest: Path, train: dict | None = None, export: dict | None = None) -> Path:
     """A git copy of the repository with 12 images and tiny params (committed), pinned by the subset's sha256,
     ``train`` and ``export`` params updated; export writes ONNX only unless ``export`` says otherwise
-    (``export.torch_export: false``: torch.export is most of the stage's time, and tests/test_export.py and
+    (``export.torch_export: false``: torch.export is most of the stage's time, and tests/stages/test_export.py and
     the ``reproduced_repo`` fixture check it)."""
     from detpipe.files import folder_sha256
 
@@ -59,7 +59,7 @@ def clone_with_cache(src: Path, dest: Path) -> Path:
 def flow_repo(reproduced_repo: Path, dest: Path, train: dict | None = None) -> Path:
     """A copy of the session's reproduced repository (its DVC cache holds every stage's outputs) with ``train``
     params and an ONNX-only export (``export.torch_export: false``: torch.export is most of the stage's time, and
-    tests/test_export.py checks it), committed: a run of it skips download, convert and augment."""
+    tests/stages/test_export.py checks it), committed: a run of it skips download, convert and augment."""
     work = clone_with_cache(reproduced_repo, dest)
     params = yaml.safe_load((work / "params.yaml").read_text())
     params["train"].update(train or {})

@@ -16,7 +16,7 @@ from support.procs import run
 
 from detpipe.ops.repair import lock_mismatches
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DVC = str(Path(sys.executable).parent / "dvc")
 GIT_USER = ["-c", "user.name=detpipe-test", "-c", "user.email=test@example.invalid"]
 

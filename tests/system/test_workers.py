@@ -4,7 +4,7 @@ and push their results to the team's remotes (`detpipe.ops.remotes`).
 The slow tests stand up what a team has: a bare git repository as ``origin``, SeaweedFS as the DVC remote
 (``tests/support/s3server.py``), the session's Prefect server, a ``process`` work pool with two workers started
 from different directories, and ``train/team`` registered with ``python -m flows.serve --work-pool gpu --source
-<origin> --name team`` (``train/main`` is the checkout's deployment served by tests/test_flows.py).
+<origin> --name team`` (``train/main`` is the checkout's deployment served by tests/system/test_flows.py).
 Every run happens in the temporary clone a worker makes and deletes; what is left afterwards is only what was
 pushed. Fast tests check `detpipe.ops.remotes.check` on small local repositories.
 """
@@ -95,7 +95,7 @@ def _register(prefect, *argsets: list[str]) -> list[subprocess.CompletedProcess]
     """``python -m flows.serve --work-pool gpu <args>`` for each of ``argsets``, all at once; their results."""
     procs = [subprocess.Popen([sys.executable, "-m", "flows.serve", "--work-pool", "gpu", *args], env=prefect.env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              cwd=Path(__file__).resolve().parent.parent) for args in argsets]
+                              cwd=Path(__file__).resolve().parents[2]) for args in argsets]
     outputs = [p.communicate(timeout=300) for p in procs]
     return [subprocess.CompletedProcess(p.args, p.returncode, *out) for p, out in zip(procs, outputs)]
 

@@ -28,7 +28,7 @@ from detpipe.ops import remotes as rm
 from detpipe.ops import workspace
 from support.procs import run as run_cmd
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 CKPT_RE = re.compile(r"^ckpt-(\d{7})\.pt$")
 log = logging.getLogger("test_push_race")
 

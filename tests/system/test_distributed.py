@@ -1,6 +1,6 @@
 """Distributed training on one machine: a 2-node torchrun job (two launches on 127.0.0.1, c10d rendezvous),
 2 processes per node, the non-finite-loss guard, and the collective timeout (a frozen peer). Restarts and elastic
-world sizes: tests/test_elastic.py."""
+world sizes: tests/system/test_elastic.py."""
 from __future__ import annotations
 
 import os
@@ -185,7 +185,7 @@ def test_a_timeout_seen_as_pair_closure_is_named_a_timeout():
     """gloo raises ``Timed out waiting ...`` only in the operation whose wait expired; every other operation pending
     on the group gets ``Application timeout caused pair closure`` (gloo's UnboundBuffer::waitRecv). A worker whose
     DDP broadcast was that other operation once printed a bare traceback on a cut link instead of the timeout's
-    line (CI, tests/test_cluster.py). Real gloo errors, from two ranks in two threads of this process (rank 1
+    line (CI, tests/system/test_cluster.py). Real gloo errors, from two ranks in two threads of this process (rank 1
     never sends): both count as timeouts; an unrelated error does not."""
     import threading
     from datetime import timedelta

@@ -327,7 +327,7 @@ def test_channels_last_and_compile(cached_workdir, tmp_path, option):
 def test_deterministic_exact_resume(cached_workdir, tmp_path, monkeypatch):
     """``train.deterministic: true`` on the GPU: a run killed with -9 right after its checkpoint at iteration 2
     and then resumed ends with weights and SGD momentum bit-identical to an uninterrupted run (the CPU version:
-    tests/test_train.py::test_kill9_and_sigterm_resume_is_bit_identical; its helpers are reused).
+    tests/stages/test_train.py::test_kill9_and_sigterm_resume_is_bit_identical; its helpers are reused).
 
     ``CUBLAS_WORKSPACE_CONFIG`` is removed from the environment first: the product must set it itself
     (`detpipe.engine.trainer.build_trainer` sets ``:4096:8`` before ``torch.use_deterministic_algorithms(True)``),

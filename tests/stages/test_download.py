@@ -29,7 +29,7 @@ from detpipe.data.download import download, download_parts, download_raw
 from detpipe.params import Download, DownloadPart, load
 from support.procs import run
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 COCO = REPO / "data" / "coco128"
 IMAGES = sorted((COCO / "train2017").glob("*.jpg"))[:3]
 FAST = dict(retries=3, timeout_s=5, backoff_s=0.05)

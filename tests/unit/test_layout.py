@@ -2,56 +2,17 @@
 the launcher and the workers' code apart."""
 from __future__ import annotations
 
-import ast
+import importlib.util
 from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("ci_imports", ROOT / ".ci" / "imports.py")
+ci_imports = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ci_imports)
+code_closure, _imports, _module_file = ci_imports.code_closure, ci_imports.imports, ci_imports.project_file
 STAGES = ("download", "convert", "augment", "train", "evaluate", "export")
-
-
-def _module_file(module: str) -> Path | None:
-    """The file of project module ``module`` (``detpipe.data.coco`` -> detpipe/data/coco.py, a package -> its
-    ``__init__.py``), or None when it is not one of the project's."""
-    base = ROOT / module.replace(".", "/")
-    for p in (base.with_suffix(".py"), base / "__init__.py"):
-        if p.is_file():
-            return p
-    return None
-
-
-def _imports(path: Path) -> set[str]:
-    """Project modules (``detpipe...``, ``stages...``) imported anywhere in ``path``, as dotted names: for ``from
-    package import name`` the submodule when ``name`` is one, else the package; every enclosing package too
-    (importing ``detpipe.data.coco`` runs ``detpipe/data/__init__.py``)."""
-    mods: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            if node.module.split(".")[0] in ("detpipe", "stages"):
-                mods.add(node.module)
-                mods.update(f"{node.module}.{a.name}" for a in node.names
-                            if _module_file(f"{node.module}.{a.name}"))
-        elif isinstance(node, ast.Import):
-            mods.update(a.name for a in node.names if a.name.split(".")[0] in ("detpipe", "stages"))
-    for mod in list(mods):
-        parts = mod.split(".")
-        mods.update(".".join(parts[:i]) for i in range(1, len(parts)))
-    return {m for m in mods if _module_file(m)}
-
-
-def code_closure(module_file: Path) -> set[str]:
-    """Repository-relative paths of ``module_file`` and every project module it imports, transitively."""
-    seen: set[str] = set()
-    todo = [module_file]
-    while todo:
-        f = todo.pop()
-        rel = f.relative_to(ROOT).as_posix()
-        if rel in seen:
-            continue
-        seen.add(rel)
-        todo.extend(_module_file(mod) for mod in _imports(f))
-    return seen
 
 
 def test_stages_holds_the_six_stages_only():

@@ -19,7 +19,7 @@ import pytest
 
 from support import reaper
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 TAG = "DETPIPE_REAPER_TEST_TAG"  # on everything an inner run starts: lets the outer test clean up after itself
 
 CONFTEST = """

@@ -21,7 +21,7 @@ import yaml
 
 from support.procs import run
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 PLACEHOLDER = "PLACEHOLDER"
 FENCE = re.compile(r"^\s*```")

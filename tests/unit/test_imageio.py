@@ -11,7 +11,7 @@ from PIL import Image
 
 from detpipe.data.imageio import decode_rgb, inspect_image
 
-COCO_IMAGE = Path(__file__).resolve().parents[1] / "data" / "coco128" / "train2017" / "000000000009.jpg"
+COCO_IMAGE = Path(__file__).resolve().parents[2] / "data" / "coco128" / "train2017" / "000000000009.jpg"
 
 
 def _gray() -> np.ndarray:

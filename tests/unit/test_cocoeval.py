@@ -14,7 +14,7 @@ from pycocotools import mask as mask_utils
 from detpipe.errors import StageError
 from detpipe.evaluation.cocoeval import BACKENDS, STAT_NAMES, CocoResult, coco_evaluate, pr_curve_rows
 
-REF = Path(__file__).parent / "data" / "coco_eval_reference"
+REF = Path(__file__).resolve().parents[1] / "data" / "coco_eval_reference"
 
 # Published figures (pycocotools COCOeval on the fake results; /work/shared/data/README.md and
 # faster_coco_eval's test-suite): full precision for AP/AP50/AP75 (bbox) and AP (segm), 4 decimals for the rest.

@@ -336,7 +336,7 @@ def test_stage_cli_without_converted_data_fails_with_one_line(tmp_path):
 
 def test_dvc_stage_lists_all_code_and_params_it_reads():
     """DVC reruns augment exactly when its inputs change: every augment param that changes the output (all but
-    ``workers``) is listed (code deps follow the imports: tests/test_layout.py), and readers of the cache
+    ``workers``) is listed (code deps follow the imports: tests/unit/test_layout.py), and readers of the cache
     list the loader."""
     stage = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]["augment"]
     assert "data/arrow" in stage["deps"] and stage["outs"] == ["data/cache"]

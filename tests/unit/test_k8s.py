@@ -26,7 +26,7 @@ from detpipe.params import Train
 from support.pipeline import write_params
 from support.procs import run
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CRD = REPO / "tests" / "data" / "kubeflow" / "kubeflow.org_pytorchjobs.excerpt.yaml"
 PVC = "detpipe-shared"
 

@@ -8,7 +8,7 @@ the same images: val is a copy of the train JSON whose image and annotation ids 
 (``convert.val_annotations``), its files copies made byte-distinct by a JPEG comment (same pixels), so it is
 converted and cached like any explicit val split; it is converted and
 cached once per session (fixture ``learns_prepared``), and the clean training is the session fixture
-``fitted_workdir`` that tests/test_predict.py uses too. Measured figures and durations: docs/evaluate.md, "Proof it learns".
+``fitted_workdir`` that tests/stages/test_predict.py uses too. Measured figures and durations: docs/evaluate.md, "Proof it learns".
 """
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ def learns_broken(learns_prepared):
 def test_detector_fits_a_handful_of_images(request, learns_broken, broken):
     """Fits: AP50 >= AP50_MIN and AP >= AP_MIN on the training images; with a corrupted training cache one of
     them falls below its threshold. The clean case is the session fixture `fitted_workdir` (the same training and
-    evaluation, shared with tests/test_predict.py)."""
+    evaluation, shared with tests/stages/test_predict.py)."""
     work = request.getfixturevalue("fitted_workdir") if broken is None else learns_broken(broken)
     metrics = json.loads((work / "metrics" / "eval.json").read_text())
     ap50, ap = metrics["bbox"]["AP50"], metrics["bbox"]["AP"]

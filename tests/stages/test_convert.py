@@ -26,7 +26,7 @@ from detpipe.data.convert import SCHEMA, convert, inspect_image, split_ids
 from detpipe.data.imageio import decode_rgb
 from detpipe.params import Convert
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 COCO = REPO / "data" / "coco128"
 ANN = "annotations/instances_train2017.json"
 BASE_IDS = (9, 25, 30)           # RGB JPEGs with 8, 2 and 2 annotations

@@ -195,7 +195,7 @@ def test_cut_link_times_out_and_the_job_goes_on(cluster, tmp_path):
     reset, c2 just stops answering. With ``collective_timeout_s: 5`` c1's worker fails its collective after
     5 s naming the lost host (c2), torchrun restarts the group without c2 (its rendezvous heartbeats stopped)
     and the training finishes from the newest checkpoint within `RECOVERY_S`. (Without the timeout gloo waits
-    30 min: tests/test_distributed.py shows a frozen peer blocking the others.)"""
+    30 min: tests/system/test_distributed.py shows a frozen peer blocking the others.)"""
     work = cluster.workdir(tmp_path / "w", nnodes="1:2", rdzv_last_call_s=5, max_restarts=1, epochs=4,
                            collective_timeout_s=5)
     logs = [tmp_path / "c1.log", tmp_path / "c2.log"]

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from dvc_render.html import PAGE_HTML
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DVC = str(Path(sys.executable).parent / "dvc")
 
 # Appended before the page's last </body>: waits until every vega plot has data pixels (or 20 s of page time),

@@ -1,5 +1,5 @@
 """`python -m detpipe.predict` (issue 27.2, 27.4) on a model that fits real images: the session fixture
-`fitted_workdir` (tests/test_learns.py's clean run: ssdlite320 trained on 4 COCO128 images of 4 classes until it
+`fitted_workdir` (tests/stages/test_learns.py's clean run: ssdlite320 trained on 4 COCO128 images of 4 classes until it
 fits them), exported here ONNX-only by the real export stage.
 
 What is proven: the ONNX file and model.pt give the same predictions under the export gate's own comparison
