@@ -47,7 +47,7 @@ ROOTS = {
     "dvclive": "detpipe.engine.hooks.MetricsHook (training curves in dvclive/)",
     "orjson": "detpipe.data.coco / cocoarrow (the convert stage's JSON reader)",
     "pycocotools": "detpipe.data (RLE masks); torchvision.datasets.CocoDetection in the benchmarks",
-    "faster-coco-eval": "detpipe.evaluation.cocoeval (the default COCOeval backend)",
+    "faster-coco-eval": "detpipe.evaluation.coco_metrics (the default COCOeval backend)",
 }
 
 # On the machine's list, but carried anyway: a pin of ours needs a version the list does not promise.

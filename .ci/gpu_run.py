@@ -48,8 +48,8 @@ BUNDLE = ROOT / ".gpu-bundle"
 
 # Every module the GPU steps import, in this process or the ones they start (stage CLIs, torchrun workers).
 MODULES = ["stages.convert", "stages.augment", "stages.train", "detpipe.engine.trainer", "detpipe.launch.jobs",
-           "detpipe.launch.torchrun", "detpipe.data.dataset", "detpipe.data.convert", "detpipe.data.build_cache",
-           "detpipe.evaluation.cocoeval", "detpipe.models", "torch.distributed.run", "dvclive", "pytest",
+           "detpipe.launch.torchrun", "detpipe.data.dataset", "detpipe.data.convert", "detpipe.data.augment",
+           "detpipe.evaluation.coco_metrics", "detpipe.models", "torch.distributed.run", "dvclive", "pytest",
            "pytest_timeout", "benchmarks.gpu_train", "benchmarks.nvjpeg", "conftest", "support.pipeline",
            "support.procs"]
 

@@ -34,7 +34,7 @@ from benchmarks._workdir import temporary_workdir  # noqa: E402
 from benchmarks.loader import baseline_dataset, check_close, images_per_s  # noqa: E402
 from detpipe import params as params_mod  # noqa: E402
 from detpipe.data.dataset import CachedDetectionDataset  # noqa: E402
-from detpipe.data.build_cache import build_cache  # noqa: E402
+from detpipe.data.augment import build_cache  # noqa: E402
 
 
 def folder_bytes(path: Path) -> int:

@@ -2,7 +2,7 @@
 
 The COCO API's example detections for 100 val2014 images (tests/data/coco_eval_reference) are replicated
 ``--copies`` times (default 50: 5,000 images, 41,950 ground-truth objects, 36,700 detections) with new image and
-annotation ids, then `detpipe.evaluation.cocoeval.coco_evaluate` (validation + COCO objects + evaluate/accumulate/summarize)
+annotation ids, then `detpipe.evaluation.coco_metrics.coco_evaluate` (validation + COCO objects + evaluate/accumulate/summarize)
 is timed with each backend on the same inputs. Both backends must give the same 12 stats (to 1e-9).
 
     python -m benchmarks.eval [--copies 50] [--iou-type bbox] [--repeats 1]
@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from detpipe.evaluation.cocoeval import STAT_NAMES, coco_evaluate  # noqa: E402
+from detpipe.evaluation.coco_metrics import STAT_NAMES, coco_evaluate  # noqa: E402
 
 REF = ROOT / "tests" / "data" / "coco_eval_reference"
 

@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks._workdir import temporary_workdir  # noqa: E402
 from detpipe import params as params_mod  # noqa: E402
 from detpipe.data.augmentation import target_size  # noqa: E402
-from detpipe.data.build_cache import build_cache  # noqa: E402
+from detpipe.data.augment import build_cache  # noqa: E402
 from detpipe.data.dataset import CachedDetectionDataset, collate  # noqa: E402
 from detpipe.data.meta import read_meta  # noqa: E402
 

@@ -51,8 +51,8 @@ from detpipe import params as params_mod  # noqa: E402
 from detpipe.data.dataset import CachedDetectionDataset, ResumableDistributedSampler, micro_batches  # noqa: E402
 from support.delay_proxy import DelayProxy  # noqa: E402
 from support.s3server import running_s3_server  # noqa: E402
-from detpipe.data.build_cache import build_cache  # noqa: E402
-from detpipe.data.cachefmt import INDEX_FILE  # noqa: E402
+from detpipe.data.augment import build_cache  # noqa: E402
+from detpipe.data.cache_format import INDEX_FILE  # noqa: E402
 
 
 def replicate_train(cache: Path, out: Path, replicas: int) -> list[Path]:

@@ -148,7 +148,7 @@ def list_sources(source: str, endpoint_url: str | None = None) -> list[SourceFil
 
 def preprocess_config(cache_meta: dict, where: str = "data/cache/meta.json") -> params_mod.Augment:
     """The augment stage's resize and encoding settings recorded in the cache's ``meta.json``
-    (`detpipe.data.build_cache.build_cache` writes them), as an ``augment`` params section for `prepare`.
+    (`detpipe.data.augment.build_cache` writes them), as an ``augment`` params section for `prepare`.
     Raises `StageError` naming ``where`` when a setting is missing or invalid."""
     missing = [k for k in PREPROCESS_KEYS[:-1] if k not in cache_meta]
     if missing:

@@ -1,12 +1,12 @@
 """Augment stage: decode every image once, resize it to the training size and cache it in Arrow (JPEG by default).
 
 ``python -m stages.augment`` reads ``data/arrow`` and writes ``data/cache`` (params section ``augment``). The work,
-the cache's layout, encodings, resize modes, masks and copies are `detpipe.data.build_cache.build_cache`'s (see its
+the cache's layout, encodings, resize modes, masks and copies are `detpipe.data.augment.build_cache`'s (see its
 module docstring).
 """
 from __future__ import annotations
 
-from detpipe.data.build_cache import build_cache
+from detpipe.data.augment import build_cache
 from detpipe.errors import run_program
 from detpipe.params import load
 from detpipe.paths import ARROW_DIR, CACHE_DIR

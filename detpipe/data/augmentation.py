@@ -1,5 +1,5 @@
 """Per-image work of the augment stage: target size, resize, JPEG encoding, SSD-style variants and instance
-masks at the cached size (`process_image`, run in worker processes by `detpipe.data.build_cache.build_cache`)."""
+masks at the cached size (`process_image`, run in worker processes by `detpipe.data.augment.build_cache`)."""
 from __future__ import annotations
 
 import json
@@ -17,7 +17,7 @@ from torchvision.transforms.v2 import functional as TF
 from detpipe import params as params_mod
 from detpipe.errors import StageError
 from detpipe.data.imageio import decode_rgb
-from detpipe.data.cachefmt import ZOOM_OUT_FILL
+from detpipe.data.cache_format import ZOOM_OUT_FILL
 
 log = logging.getLogger("detpipe.data.augmentation")
 

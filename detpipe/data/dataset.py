@@ -1,4 +1,4 @@
-"""Training/evaluation data from the augmentation cache (`detpipe.data.build_cache`): Dataset, sampler, collate.
+"""Training/evaluation data from the augmentation cache (`detpipe.data.augment`): Dataset, sampler, collate.
 
 `CachedDetectionDataset` reads ``<root>/<split>/index.arrow`` (boxes, labels, sizes: small) at construction and
 each image's pixels on demand from its ``part-NNNNN.arrow`` shard. ``root`` is a local folder (shards are
@@ -36,7 +36,7 @@ from torchvision.io import ImageReadMode, decode_jpeg
 from detpipe.files import filesystem as open_filesystem, is_url, redact_url
 from detpipe.errors import StageError
 from detpipe.data.sampler import ResumableDistributedSampler
-from detpipe.data.cachefmt import INDEX_FILE
+from detpipe.data.cache_format import INDEX_FILE
 from detpipe.data.streaming import ShardPrefetcher, wait_for_shard
 
 __all__ = ["CachedDetectionDataset", "ResumableDistributedSampler", "collate", "uses_masks", "check_cache_masks",

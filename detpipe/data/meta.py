@@ -4,7 +4,7 @@
 the split's Arrow shards in row order, as paths relative to ``data/arrow`` (``"train/part-00000.arrow"``, ...).
 Every reader of the converted shards (the augment stage, evaluation's ground truth and plots) takes them from
 there (`arrow_shards`), never by listing the folder. ``data/cache/meta.json`` (the augment stage's,
-`detpipe.data.build_cache`) holds the cache's settings and per-split counts, read locally or from a URL
+`detpipe.data.augment`) holds the cache's settings and per-split counts, read locally or from a URL
 (`read_cache_meta_bytes`); the loader finds each cache row's shard in the split's ``index.arrow``
 (`detpipe.data.dataset`).
 """

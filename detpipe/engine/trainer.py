@@ -315,7 +315,7 @@ def check_ranks_agree(model: torch.nn.Module, distributed: bool, rank: int, worl
 def make_eval_fn(cache_dir: str | Path, arrow_meta: Path):
     """``eval_fn(model) -> stats`` for `EvalHook`: COCO bbox stats on the val cache (as
     `detpipe.evaluation.evaluate`)."""
-    from detpipe.evaluation.cocoeval import coco_evaluate
+    from detpipe.evaluation.coco_metrics import coco_evaluate
     from detpipe.evaluation.coco_evaluation import gt_from_arrow, label_to_category_id, predict
 
     meta = read_meta(arrow_meta)

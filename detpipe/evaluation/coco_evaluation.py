@@ -2,7 +2,7 @@
 
 `predict` runs a detector over the cached val split and maps its boxes (and masks) back to original image
 pixels (``orig = cached / scale + offset``); `gt_from_arrow` rebuilds the COCO ground truth from the converted
-Arrow shards. Scoring itself is `detpipe.evaluation.cocoeval.coco_evaluate`.
+Arrow shards. Scoring itself is `detpipe.evaluation.coco_metrics.coco_evaluate`.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from pycocotools import mask as mask_utils
 from torch.utils.data import DataLoader
 
-from detpipe.evaluation.cocoeval import pr_curve_rows
+from detpipe.evaluation.coco_metrics import pr_curve_rows
 from detpipe.data.dataset import CachedDetectionDataset, collate
 from detpipe.data.meta import arrow_shards
 from detpipe.progress import track
@@ -66,7 +66,7 @@ def gt_from_arrow(split_dir: Path, meta: dict) -> dict:
 def masks_to_rles(masks: torch.Tensor, scale, offset, orig_size, threshold: float = MASK_THRESHOLD) -> list[dict]:
     """Predicted mask probabilities in cached pixels -> COCO compressed RLEs at the original image size.
 
-    The inverse of the cache's resize (`detpipe.data.build_cache`: ``orig = cached / scale + offset``): the centre
+    The inverse of the cache's resize (`detpipe.data.augment`: ``orig = cached / scale + offset``): the centre
     ``(i + 0.5, j + 0.5)`` of original pixel ``(i, j)`` lies at cached coordinates
     ``((i + 0.5 - offset_y) * scale_y, (j + 0.5 - offset_x) * scale_x)``; the probability there is interpolated
     bilinearly (``torch.nn.functional.grid_sample``, ``align_corners=False``, float64; edge values held within
@@ -176,7 +176,7 @@ def write_plots(plots_dir: Path, result, dets: list[dict], gt: dict, val_dir: Pa
     AP@[.5:.95] of the classes with ground truth) and ``val_images/<image_id>.png`` (the first ``num_images``
     val images of the Arrow shards in ``val_dir``, original size, predicted boxes red with score ≥
     ``score_threshold`` and their masks shaded red when detections carry a ``segmentation``, ground truth
-    green), all replaced atomically. ``result``: the bbox `detpipe.evaluation.cocoeval.CocoResult`; ``dets``, ``gt``: COCO
+    green), all replaced atomically. ``result``: the bbox `detpipe.evaluation.coco_metrics.CocoResult`; ``dets``, ``gt``: COCO
     results and instances dicts in original pixels."""
     from torchvision.io import encode_png
     from torchvision.utils import draw_bounding_boxes, draw_segmentation_masks

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from detpipe import params as params_mod
-from detpipe.evaluation.cocoeval import coco_evaluate
+from detpipe.evaluation.coco_metrics import coco_evaluate
 from detpipe.errors import StageError
 from detpipe.files import atomic_write_json
 from detpipe.data.dataset import CachedDetectionDataset, uses_masks

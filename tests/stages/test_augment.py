@@ -23,8 +23,8 @@ from support.pipeline import COCO128, stage_cli, write_params
 from support.procs import REPO
 from detpipe import params as params_mod
 from detpipe.data.augmentation import process_image, target_size
-from detpipe.data.cachefmt import INDEX_FILE, ZOOM_OUT_FILL
-from detpipe.data.build_cache import build_cache
+from detpipe.data.cache_format import INDEX_FILE, ZOOM_OUT_FILL
+from detpipe.data.augment import build_cache
 from detpipe.errors import StageError
 from detpipe.data.dataset import CachedDetectionDataset
 

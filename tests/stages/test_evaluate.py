@@ -11,7 +11,7 @@ from support.pipeline import stage_cli
 from detpipe.data.dataset import CachedDetectionDataset
 from detpipe.data.meta import read_meta
 from detpipe.evaluation.coco_evaluation import gt_from_arrow, label_to_category_id
-from detpipe.evaluation.cocoeval import coco_evaluate
+from detpipe.evaluation.coco_metrics import coco_evaluate
 
 
 def test_cached_boxes_map_back_to_original(cached_workdir):

@@ -16,8 +16,8 @@ from torchvision.transforms.v2 import functional as TF
 
 from support.pipeline import make_coco_subset, recalibrated_model, stage_cli, write_params
 from detpipe import params as params_mod
-from detpipe.data.build_cache import build_cache
-from detpipe.evaluation.cocoeval import coco_evaluate
+from detpipe.data.augment import build_cache
+from detpipe.evaluation.coco_metrics import coco_evaluate
 from detpipe.errors import StageError
 from detpipe.data.dataset import CachedDetectionDataset, collate, uses_masks
 from detpipe.data.meta import read_meta

@@ -28,7 +28,7 @@ from detpipe.data.dataset import CachedDetectionDataset, ResumableDistributedSam
 from detpipe.engine.elastic import EpochPlan
 from detpipe.data.streaming import START_DEPTH, ShardPrefetcher, wait_for_shard
 from detpipe.errors import StageError
-from detpipe.data.build_cache import build_cache
+from detpipe.data.augment import build_cache
 from detpipe.files import filesystem
 
 SHARD_MB = 0.05  # ~2-3 JPEG images of 320x320 per shard: many shards from 12 images

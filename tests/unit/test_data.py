@@ -19,7 +19,7 @@ from torchvision.transforms.v2 import functional as TF
 from detpipe import params as params_mod
 from detpipe.errors import StageError
 from detpipe.data.dataset import CachedDetectionDataset, ResumableDistributedSampler, collate, micro_batches
-from detpipe.data.build_cache import build_cache
+from detpipe.data.augment import build_cache
 from detpipe.engine.elastic import EpochPlan
 
 

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Iterator
 
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
 from detpipe.errors import StageError
 
-log = logging.getLogger("detpipe.data.cachefmt")
+log = logging.getLogger("detpipe.data.cache_format")
 
 SPLITS = ("train", "val")
 INDEX_FILE = "index.arrow"
@@ -39,28 +38,6 @@ CACHE_SCHEMA = pa.schema([
 INDEX_SCHEMA = pa.schema([f for f in CACHE_SCHEMA if f.name not in ("pixels", "masks")]
                          + [pa.field("has_masks", pa.bool_()), pa.field("shard", pa.string()),
                             pa.field("batch", pa.int32())])
-
-
-def iter_source_batches(shards: list[Path], rows_per_task: int = 8) -> Iterator[list[dict]]:
-    """Yield lists of at most ``rows_per_task`` converted rows (dicts of only the columns augment reads), from the
-    Arrow shards ``shards`` (`detpipe.data.meta.arrow_shards`) in order, each in file order.
-    Raises `StageError` naming the shard when it is not a readable Arrow IPC file or lacks a column."""
-    cols = ["image_id", "file_name", "image", "bbox", "label", "iscrowd"]
-    optional = ["ann_id", "segmentation"]  # masks (and annotation ids for error messages) when present
-    for shard in shards:
-        with pa.memory_map(str(shard)) as src:
-            try:
-                reader = ipc.open_file(src)
-                for i in range(reader.num_record_batches):
-                    batch = reader.get_batch(i)
-                    missing = [c for c in cols if c not in batch.schema.names]
-                    if missing:
-                        raise StageError(f"{shard}: missing column(s) {missing} (re-run the convert stage)")
-                    batch = batch.select(cols + [c for c in optional if c in batch.schema.names])
-                    for start in range(0, batch.num_rows, rows_per_task):
-                        yield batch.slice(start, rows_per_task).to_pylist()
-            except pa.ArrowInvalid as e:
-                raise StageError(f"{shard}: not a readable Arrow IPC file ({e})") from None
 
 
 class ShardWriter:

@@ -1,4 +1,4 @@
-"""Tests of detpipe/evaluation/cocoeval.py against the COCO API's published figures on its own example detections
+"""Tests of detpipe/evaluation/coco_metrics.py against the COCO API's published figures on its own example detections
 (tests/data/coco_eval_reference, see its README), plus robustness cases built from the same real data."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from pycocotools import mask as mask_utils
 
 from detpipe.errors import StageError
-from detpipe.evaluation.cocoeval import BACKENDS, STAT_NAMES, CocoResult, coco_evaluate, pr_curve_rows
+from detpipe.evaluation.coco_metrics import BACKENDS, STAT_NAMES, CocoResult, coco_evaluate, pr_curve_rows
 
 REF = Path(__file__).resolve().parents[1] / "data" / "coco_eval_reference"
 

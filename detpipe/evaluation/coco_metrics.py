@@ -340,7 +340,7 @@ def coco_evaluate(gt: dict, detections: list[dict], iou_type: str = "bbox", back
             [height, width] of its image; uncompressed RLE and polygons are converted). May be empty (AP is
             then 0 for every category with ground truth). Neither argument is modified.
         iou_type: ``"bbox"`` or ``"segm"``.
-        backend: ``"faster_coco_eval"`` (default: C++, several times faster, the same numbers: tests/unit/test_cocoeval.py
+        backend: ``"faster_coco_eval"`` (default: C++, several times faster, the same numbers: tests/unit/test_coco_metrics.py
             checks both against the COCO API's published figures and each other) or ``"pycocotools"`` (reference).
         gt_source, dt_source: names (e.g. file paths) used to prefix error messages.
     Returns:

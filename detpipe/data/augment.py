@@ -100,17 +100,43 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Iterator
+
+import pyarrow as pa
+import pyarrow.ipc as ipc
 
 from detpipe import params as params_mod
 from detpipe.errors import StageError
 from detpipe.pool import bounded_map, process_pool
 from detpipe.files import atomic_dir, atomic_write_json
 from detpipe.data.augmentation import process_batch
-from detpipe.data.cachefmt import CACHE_FORMAT, INDEX_FILE, SPLITS, ZOOM_OUT_FILL, ShardWriter, iter_source_batches
+from detpipe.data.cache_format import CACHE_FORMAT, INDEX_FILE, SPLITS, ZOOM_OUT_FILL, ShardWriter
 from detpipe.data.meta import arrow_shards, read_meta
 from detpipe.progress import Progress
 
 log = logging.getLogger(__name__)
+
+
+def iter_source_batches(shards: list[Path], rows_per_task: int = 8) -> Iterator[list[dict]]:
+    """Yield lists of at most ``rows_per_task`` converted rows (dicts of only the columns augment reads), from the
+    Arrow shards ``shards`` (`detpipe.data.meta.arrow_shards`) in order, each in file order.
+    Raises `StageError` naming the shard when it is not a readable Arrow IPC file or lacks a column."""
+    cols = ["image_id", "file_name", "image", "bbox", "label", "iscrowd"]
+    optional = ["ann_id", "segmentation"]  # masks (and annotation ids for error messages) when present
+    for shard in shards:
+        with pa.memory_map(str(shard)) as src:
+            try:
+                reader = ipc.open_file(src)
+                for i in range(reader.num_record_batches):
+                    batch = reader.get_batch(i)
+                    missing = [c for c in cols if c not in batch.schema.names]
+                    if missing:
+                        raise StageError(f"{shard}: missing column(s) {missing} (re-run the convert stage)")
+                    batch = batch.select(cols + [c for c in optional if c in batch.schema.names])
+                    for start in range(0, batch.num_rows, rows_per_task):
+                        yield batch.slice(start, rows_per_task).to_pylist()
+            except pa.ArrowInvalid as e:
+                raise StageError(f"{shard}: not a readable Arrow IPC file ({e})") from None
 
 
 def build_cache(arrow_dir: Path | str, cache_dir: Path | str, cfg: params_mod.Augment) -> dict:
