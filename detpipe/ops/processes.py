@@ -117,7 +117,7 @@ def stop_tree(child: subprocess.Popen, grace_s: float = GRACE_S) -> None:
         except ProcessLookupError:
             pass
     deadline = time.monotonic() + grace_s
-    while (left := _alive(child)) and time.monotonic() < deadline:
+    while (left := _live_descendants(child)) and time.monotonic() < deadline:
         time.sleep(0.1)
     for p in left:
         try:
@@ -126,10 +126,10 @@ def stop_tree(child: subprocess.Popen, grace_s: float = GRACE_S) -> None:
             pass
     psutil.wait_procs(left, timeout=10)
     child.wait()
-    _alive(child)
+    _live_descendants(child)
 
 
-def _alive(child: subprocess.Popen) -> list[psutil.Process]:
+def _live_descendants(child: subprocess.Popen) -> list[psutil.Process]:
     """Descendants of this process still running; zombie orphans (not ``child``, which Popen reaps) are reaped."""
     alive = []
     child.poll()
