@@ -56,11 +56,12 @@ class CocoResult:
         category_ids: the K category ids in the order of ``precision``'s K axis (ascending).
         num_images: images evaluated (all of ``gt["images"]``, with or without ground truth).
         num_detections: detections evaluated (``len(detections)``).
+        backend: the COCO API that computed it, ``"pycocotools"`` or ``"faster_coco_eval"`` (`coco_evaluate`'s
+            ``backend``; no default here, so it cannot disagree with `coco_evaluate`'s).
         recall: ``COCOeval.eval["recall"]``, shape ``[T=10, K, A=4, M=3]``, float64, -1 as for precision.
         iou_thresholds: shape ``[T=10]`` float64, 0.50, 0.55, ..., 0.95.
         summary: the COCO API's 12-line printed summary (for logs).
         iou_type: ``"bbox"`` or ``"segm"``.
-        backend: ``"pycocotools"`` or ``"faster_coco_eval"``.
         seconds: wall time of the COCO API's evaluate + accumulate + summarize, in seconds.
     """
 
@@ -71,23 +72,12 @@ class CocoResult:
     category_ids: list[int]
     num_images: int
     num_detections: int
+    backend: str
     recall: np.ndarray = field(default_factory=lambda: np.zeros((10, 0, 4, 3)))
     iou_thresholds: np.ndarray = field(default_factory=lambda: np.linspace(0.5, 0.95, 10))
     summary: str = ""
     iou_type: str = "bbox"
-    backend: str = "pycocotools"
     seconds: float = 0.0
-
-    def to_dict(self) -> dict:
-        """JSON-ready summary: ``stats``, ``per_class_ap``, counts, ``iou_type`` and ``backend`` (no arrays)."""
-        return {
-            "iou_type": self.iou_type,
-            "backend": self.backend,
-            "num_images": self.num_images,
-            "num_detections": self.num_detections,
-            "stats": dict(self.stats),
-            "per_class_ap": dict(self.per_class_ap),
-        }
 
 
 # ----------------------------------------------------------------------------------------------- checks
