@@ -9,6 +9,7 @@ import shutil
 
 import fsspec
 import numpy as np
+import pyarrow as pa
 import pyarrow.fs as pafs
 import pytest
 import torch
@@ -18,6 +19,7 @@ from torchvision.transforms.v2 import functional as TF
 
 from detpipe import params as params_mod
 from detpipe.errors import StageError
+from detpipe.files import filesystem as open_filesystem
 from detpipe.data.dataset import CachedDetectionDataset, ResumableDistributedSampler, collate, micro_batches
 from detpipe.data.augment import build_cache
 from detpipe.engine.elastic import EpochPlan
@@ -192,11 +194,20 @@ def test_spawned_worker(cache):
     _same_batches(got, ref)
 
 
-def test_reads_through_filesystem_urls(cache, tmp_path):
+def _no_memory_map(*args, **kwargs):
+    raise AssertionError("memory-mapped")
+
+
+def test_reads_through_filesystem_urls(cache, tmp_path, monkeypatch):
     local = CachedDetectionDataset(cache, "val", hflip=0.5)
     # pyarrow filesystem URL (the code path of s3:// etc.: no memory map, file handles from the filesystem)
     via_url = CachedDetectionDataset(cache.resolve().as_uri(), "val", hflip=0.5)
-    assert via_url._fs is not None and isinstance(via_url._fs, pafs.LocalFileSystem)
+    assert isinstance(open_filesystem(cache.resolve().as_uri())[0], pafs.LocalFileSystem)
+    with monkeypatch.context() as m:  # a local path is memory-mapped, the URL read through the filesystem
+        m.setattr(pa, "memory_map", _no_memory_map)
+        with pytest.raises(AssertionError, match="memory-mapped"):
+            local[0]
+        via_url[0]
     # an fsspec-only scheme
     mem = fsspec.filesystem("memory")
     for f in (cache / "val").iterdir():
