@@ -1,24 +1,32 @@
 """The training hooks (see `detpipe.engine.train_loop.HookBase` for when each method runs and what a hook may do).
 
-Values travel through ``trainer.storage`` only: `LRScheduleHook` puts ``lr``, `EvalHook` puts ``val/<stat>``,
+Values travel through ``trainer.storage``: `LRScheduleHook` puts ``lr``, `EvalHook` puts ``val/<stat>``,
 the trainer's ``run_step`` puts the losses and timings; `MetricsHook` writes the storage's kept rows to DVCLive,
 `ProgressHook` shows the latest values, `CheckpointHook` saves everything once an iteration is complete (at the
-next ``before_step``, or ``after_train`` for the last), so no hook depends on another's position in the list.
+next ``before_step``, or ``after_train`` for the last). One rule of order: `EvalHook` is given the `EMAHook` and
+evaluates its weights after each step, so the `EMAHook` must come before it in the list (`EvalHook.before_train`
+checks it); no other hook depends on another's position.
 """
 from __future__ import annotations
 
 import logging
 import math
+import re
+import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.optim.lr_scheduler import LambdaLR
 
 from detpipe.engine.checkpoints import checkpoint_path, list_checkpoints, save_atomic
 from detpipe.engine.train_loop import HookBase
 from detpipe.progress import Progress
 
 log = logging.getLogger("detpipe.engine.hooks")
+
+# LambdaLR's warning when its first step() after construction follows no optimizer.step()
+_STEP_ORDER_WARNING = re.escape("Detected call of `lr_scheduler.step()` before `optimizer.step()`")
 
 
 def lr_factor(it: int, max_iter: int, warmup_iters: int, schedule: str = "cosine",
@@ -43,23 +51,43 @@ def lr_factor(it: int, max_iter: int, warmup_iters: int, schedule: str = "cosine
 
 
 class LRScheduleHook(HookBase):
-    """Sets every param group's lr to ``base_lr * lr_factor(iter, ...)`` before each step (per iteration) and
-    puts it into the storage as ``lr``."""
+    """Sets every param group's lr to ``base_lr * lr_factor(iter, ...)`` before each step (per iteration), with
+    torch's ``LambdaLR``, and puts it into the storage as ``lr``.
+
+    The lr is a function of the iteration, so the hook keeps no checkpoint state: `before_train` builds the
+    scheduler at ``trainer.start_iter`` with this run's ``base_lr`` as every group's ``initial_lr`` (a resumed
+    optimizer holds the checkpoint's, and at another world size ``train.base_batch_size`` changes ``base_lr``), and
+    ``max_iter`` is read from the trainer (a resume at another world size changes it too)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, base_lr: float, warmup_iters: int,
                  schedule: str = "cosine", milestones: tuple[float, ...] = (), gamma: float = 0.1):
         self.optimizer, self.base_lr, self.warmup_iters = optimizer, base_lr, warmup_iters
         self.schedule, self.milestones, self.gamma = schedule, tuple(milestones), gamma
+        self.scheduler: LambdaLR | None = None
+
+    def _factor(self, it: int) -> float:
+        return lr_factor(it, self.trainer.max_iter, self.warmup_iters, self.schedule, self.milestones, self.gamma)
+
+    def before_train(self) -> None:
+        for g in self.optimizer.param_groups:
+            g["initial_lr"] = self.base_lr
+        # LambdaLR sets lr = initial_lr * _factor(it) = base_lr * lr_factor(it, ...), one float product: the rates
+        # are bit-identical to setting that product by hand. last_epoch = start_iter - 1: its constructor steps
+        # once, to start_iter.
+        self.scheduler = LambdaLR(self.optimizer, self._factor, last_epoch=self.trainer.start_iter - 1)
 
     def before_step(self) -> None:
-        lr = self.base_lr * lr_factor(self.trainer.iter, self.trainer.max_iter, self.warmup_iters,
-                                      self.schedule, self.milestones, self.gamma)
-        for g in self.optimizer.param_groups:
-            g["lr"] = lr
-        self.trainer.storage.put_scalar("lr", lr)
-
-    def state_dict(self) -> dict:
-        return {"base_lr": self.base_lr, "warmup_iters": self.warmup_iters, "schedule": self.schedule}
+        t = self.trainer
+        if t.iter == t.start_iter + 1:
+            # LambdaLR's first step() warns when no optimizer.step() came before it: here that is a first step
+            # skipped (non-finite loss, fp16's GradScaler), no misuse. Only this once: catch_warnings makes Python
+            # forget which warnings it has already shown.
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", _STEP_ORDER_WARNING, UserWarning)
+                self.scheduler.step()
+        elif t.iter > t.start_iter:  # at start_iter, the constructor has stepped
+            self.scheduler.step()
+        t.storage.put_scalar("lr", self.scheduler.get_last_lr()[0])
 
 
 class EMAHook(HookBase):
@@ -91,11 +119,22 @@ class EvalHook(HookBase):
     """Every ``period`` iterations and at the end, COCO-evaluates the model (its EMA when there is one) on
     val on rank 0 with ``eval_fn(model) -> {"AP": ..., ...}``; puts the stats into the storage as ``val/<name>``
     (rows with them are always kept) and saves the weights with the best AP@[.5:.95] so far to ``best_path``
-    (atomically)."""
+    (atomically).
+
+    The one order rule among the hooks: ``ema`` must be registered before this hook, so that its ``after_step``
+    has averaged in the iteration this hook evaluates (`detpipe.engine.trainer.build_trainer` registers LR, EMA,
+    eval, metrics, checkpoints, progress). `before_train` raises ValueError when ``ema`` is not among the trainer's
+    hooks before this one."""
 
     def __init__(self, period: int, eval_fn, best_path: Path, config: dict, ema: EMAHook | None = None):
         self.period, self.eval_fn, self.best_path, self.config, self.ema = period, eval_fn, Path(best_path), config, ema
         self.best_ap, self.best_iter = -1.0, -1
+
+    def before_train(self) -> None:
+        hooks = [id(h) for h in self.trainer.hooks]
+        if self.ema is not None and id(self.ema) not in hooks[:hooks.index(id(self))]:
+            raise ValueError("EvalHook evaluates the EMA of the iteration just done: its EMAHook must be registered "
+                             "before it")
 
     def after_step(self) -> None:
         done = self.trainer.iter + 1

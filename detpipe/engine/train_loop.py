@@ -97,7 +97,9 @@ class HookBase:
     What a hook may do: read the trainer's attributes (``iter``, ``start_iter``, ``max_iter``, ``rank``,
     ``model``, ``optimizer``...), change the optimizer's param groups or the model's weights, put values into
     ``trainer.storage`` and read values other hooks put there. It must not set attributes on the trainer nor
-    share mutable objects with other hooks: values travel through the storage only, so hooks run in any order.
+    share mutable objects with other hooks: values travel through the storage, so the hooks' order does not
+    matter, with one stated exception: `detpipe.engine.hooks.EvalHook` evaluates the weights of the
+    ``EMAHook`` it is given, which must therefore be registered before it (EvalHook checks this).
 
     State: anything a resumed run needs to continue exactly goes in `state_dict` (plain types and tensors
     only: checkpoints are read with ``torch.load(weights_only=True)``); the trainer saves it in every checkpoint

@@ -30,6 +30,70 @@ def test_lr_multistep():
     assert f[49] == 1.0 and f[50] == pytest.approx(0.1) and f[80] == pytest.approx(0.01)
 
 
+def _sgd_trainer(lr: float, hooks, skip=(), stop=None, optimizer=None):
+    """A `TrainerBase` over one SGD parameter with the hooks ``hooks(optimizer)``; its ``run_step`` records the lr it
+    trains with in ``lrs``, skips the optimizer step (as a non-finite loss or fp16's GradScaler does) at iterations
+    in ``skip`` and raises KeyboardInterrupt at ``stop`` (a kill)."""
+    from detpipe.engine.train_loop import TrainerBase
+
+    class T(TrainerBase):
+        def run_step(self):
+            if self.iter == stop:
+                raise KeyboardInterrupt
+            self.lrs.append(self.optimizer.param_groups[0]["lr"])
+            if self.iter not in skip:
+                self.param.grad = torch.ones_like(self.param)
+                self.optimizer.step()
+
+    t = T()
+    t.param = torch.nn.Parameter(torch.zeros(2))
+    t.optimizer = optimizer or torch.optim.SGD([t.param], lr=lr, momentum=0.9)
+    t.lrs = []
+    t.register_hooks(hooks(t.optimizer))
+    return t
+
+
+@pytest.mark.parametrize("schedule", [dict(warmup_iters=5), dict(warmup_iters=3, schedule="multistep",
+                                                                 milestones=(0.5, 0.8), gamma=0.1)])
+def test_lr_schedule_hook_is_base_lr_times_lr_factor_fresh_and_resumed(schedule, recwarn):
+    """The lr of every iteration is exactly ``base_lr * lr_factor(it, ...)`` (the float product), fresh, resumed
+    from an optimizer state saved mid-run, and resumed with another base lr (another world size with
+    train.base_batch_size); a skipped first optimizer step warns nothing."""
+    from detpipe.engine.hooks import LRScheduleHook
+
+    base, n, k = 0.02, 20, 7
+    hooks = lambda lr: lambda opt: [LRScheduleHook(opt, lr, **schedule)]  # noqa: E731
+    want = lambda lr, its: [lr * lr_factor(i, n, **schedule) for i in its]  # noqa: E731
+    fresh = _sgd_trainer(base, hooks(base), skip=(0,))
+    fresh.train(0, n)
+    assert fresh.lrs == want(base, range(n))
+    killed = _sgd_trainer(base, hooks(base), stop=k)
+    with pytest.raises(KeyboardInterrupt):
+        killed.train(0, n)
+    for lr in (base, 2 * base):
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=lr, momentum=0.9)
+        opt.load_state_dict(killed.optimizer.state_dict())
+        resumed = _sgd_trainer(lr, hooks(lr), skip=(k,), optimizer=opt)
+        resumed.train(k, n)
+        assert killed.lrs + resumed.lrs == want(base, range(k)) + want(lr, range(k, n))
+    assert not [w for w in recwarn if issubclass(w.category, UserWarning)], [str(w.message) for w in recwarn]
+
+
+def test_eval_hook_needs_its_ema_hook_before_it(tmp_path):
+    from detpipe.engine.hooks import EMAHook, EvalHook
+
+    def hooks(ema_first):
+        def make(opt):
+            ema = EMAHook(torch.nn.Linear(2, 2), 0.9)
+            ev = EvalHook(1, lambda model: {"AP": 0.0}, tmp_path / "best.pt", {}, ema)
+            return [ema, ev] if ema_first else [ev, ema]
+        return make
+
+    _sgd_trainer(0.1, hooks(ema_first=True)).train(0, 0)
+    with pytest.raises(ValueError, match="EMAHook must be registered before it"):
+        _sgd_trainer(0.1, hooks(ema_first=False)).train(0, 0)
+
+
 def test_model_kwargs_match_cache():
     fixed = {"resize": "fixed", "size": 320, "min_size": 800, "max_size": 1333}
     assert model_kwargs("ssdlite320_mobilenet_v3_large", fixed) == {}
