@@ -316,7 +316,8 @@ def make_eval_fn(cache_dir: str | Path, arrow_meta: Path):
     """``eval_fn(model) -> stats`` for `EvalHook`: COCO bbox stats on the val cache (as
     `detpipe.evaluation.evaluate`)."""
     from detpipe.evaluation.coco_metrics import coco_evaluate
-    from detpipe.evaluation.coco_evaluation import gt_from_arrow, label_to_category_id, predict
+    from detpipe.evaluation.detections import detect_dataset, label_to_category_id
+    from detpipe.evaluation.ground_truth import gt_from_arrow
 
     meta = read_meta(arrow_meta)
     gt = gt_from_arrow(Path(arrow_meta).parent / "val", meta)
@@ -324,8 +325,8 @@ def make_eval_fn(cache_dir: str | Path, arrow_meta: Path):
     l2c = label_to_category_id(meta)
 
     def eval_fn(model):  # bbox stats only: a mask model's masks are not encoded here
-        return coco_evaluate(gt, predict(model, dataset, l2c, device=next(model.parameters()).device,
-                                         masks=False)).stats
+        return coco_evaluate(gt, detect_dataset(model, dataset, l2c, device=next(model.parameters()).device,
+                                                masks=False)).stats
 
     return eval_fn
 

@@ -1,23 +1,25 @@
 """Evaluating the trained model: COCO bbox (and, for mask models, segm) metrics on the val split, in original image
 coordinates: the evaluate stage's work (`evaluate`; ``python -m stages.evaluate`` calls `evaluate_or_launch`).
 
-`evaluate` runs ``models/model.pt`` on ``data/cache/val`` (the resized cache), maps the
-predicted boxes back to original pixels (``orig = cached / scale + offset``), converts them to COCO results
-(``[x, y, w, h]``, ``category_id``, ``score``) and scores them with faster-coco-eval's ``COCOeval_faster`` (or
-pycocotools, ``evaluate.backend``) against the val ground truth rebuilt from ``data/arrow/val``.
+`evaluate` runs ``models/model.pt`` on ``data/cache/val`` (the resized cache), maps the predicted boxes back to
+original pixels (``orig = cached / scale + offset``) and converts them to COCO results (``[x, y, w, h]``,
+``category_id``, ``score``): `detpipe.evaluation.detections.detect_dataset`; then scores them with faster-coco-eval's
+``COCOeval_faster`` (or pycocotools, ``evaluate.backend``) against the val ground truth rebuilt from
+``data/arrow/val`` (`detpipe.evaluation.ground_truth.gt_from_arrow`).
 
 Mask models (Mask R-CNN: ``roi_heads.has_mask()``): each detection's mask probabilities (the model's
 ``masks`` output, at the cached size) are resampled to the original image size by the same mapping
-(`masks_to_rles`), thresholded at 0.5 and RLE-encoded (``pycocotools.mask.encode``); ``COCOeval`` with
-``iouType="segm"`` scores them against the val ground truth's polygons / RLE.
+(`detpipe.evaluation.detections.masks_to_rles`), thresholded at 0.5 and RLE-encoded (``pycocotools.mask.encode``);
+``COCOeval`` with ``iouType="segm"`` scores them against the val ground truth's polygons / RLE.
 
 Writes ``metrics/eval.json`` (DVC metrics, the headline figures `dvc exp show` lists): ``bbox`` (the 12
 standard stats: AP, AP50, AP75, APs, APm, APl, AR1, AR10, AR100, ARs, ARm, ARl), for mask models ``segm`` (the same
-12 stats of the masks), ``num_images``, ``num_detections``; for ``dvc plots show`` (`detpipe.evaluation.coco_evaluation.write_plots`)
-``plots/pr_curve.json`` (bbox precision-recall at IoU 0.5 and 0.75) and ``plots/per_class_ap.json`` (bbox AP per
-class with ground truth: kept out of the metrics file so experiment tables stay narrow); and
-``plots/val_images/*.png``: a few val images with predicted (red, score ≥ ``evaluate.plot_score_threshold``;
-masks shaded for mask models) and ground-truth (green) boxes.
+12 stats of the masks), ``num_images``, ``num_detections``; for ``dvc plots show``
+(`detpipe.evaluation.plots.write_plots`) ``plots/pr_curve.json`` (bbox precision-recall at IoU 0.5 and 0.75) and
+``plots/per_class_ap.json`` (bbox AP per class with ground truth: kept out of the metrics file so experiment tables
+stay narrow); and ``plots/val_images/*.png``: a few val images with predicted (red, score ≥
+``evaluate.plot_score_threshold``; masks shaded for mask models) and ground-truth (green) boxes
+(`detpipe.evaluation.drawing`).
 
 With ``evaluate.nproc_per_node > 1`` `evaluate_or_launch` launches ``torchrun`` like the train stage: each rank predicts
 images ``rank, rank + world, ...`` of val and rank 0 gathers the detections and scores them.
@@ -38,7 +40,9 @@ from detpipe.files import atomic_write_json
 from detpipe.data.dataset import CachedDetectionDataset, uses_masks
 from detpipe.data.meta import read_meta
 from detpipe.engine.distributed import setup_distributed
-from detpipe.evaluation.coco_evaluation import gt_from_arrow, label_to_category_id, predict, write_plots
+from detpipe.evaluation.detections import detect_dataset, label_to_category_id
+from detpipe.evaluation.ground_truth import gt_from_arrow
+from detpipe.evaluation.plots import write_plots
 from detpipe.launch.torchrun import launch_local
 from detpipe.models import load_model
 from detpipe.paths import ARROW_DIR, CACHE_DIR, METRICS, MODEL, PLOTS
@@ -68,8 +72,8 @@ def evaluate(cfg: params_mod.Evaluate, arrow_dir: Path = ARROW_DIR, cache_dir: P
     with_masks = uses_masks(model)
     dataset = CachedDetectionDataset(cache_dir, "val")
     l2c = label_to_category_id(meta)
-    dets = predict(model, dataset, l2c, cfg.batch_size, cfg.score_threshold, device,
-                   indices=list(range(rank, len(dataset), world)), masks=with_masks)
+    dets = detect_dataset(model, dataset, l2c, cfg.batch_size, cfg.score_threshold, device,
+                          indices=list(range(rank, len(dataset), world)), masks=with_masks)
     if world > 1:
         parts = [None] * world if rank == 0 else None
         dist.gather_object(dets, parts, dst=0)

@@ -10,7 +10,8 @@ import pytest
 from support.pipeline import stage_cli
 from detpipe.data.dataset import CachedDetectionDataset
 from detpipe.data.meta import read_meta
-from detpipe.evaluation.coco_evaluation import gt_from_arrow, label_to_category_id
+from detpipe.evaluation.detections import label_to_category_id
+from detpipe.evaluation.ground_truth import gt_from_arrow
 from detpipe.evaluation.coco_metrics import coco_evaluate
 
 

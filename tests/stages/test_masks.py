@@ -21,7 +21,8 @@ from detpipe.evaluation.coco_metrics import coco_evaluate
 from detpipe.errors import StageError
 from detpipe.data.dataset import CachedDetectionDataset, collate, uses_masks
 from detpipe.data.meta import read_meta
-from detpipe.evaluation.coco_evaluation import gt_from_arrow, masks_to_rles
+from detpipe.evaluation.detections import masks_to_rles
+from detpipe.evaluation.ground_truth import gt_from_arrow
 
 # keep_ratio with the longer side 320: Mask R-CNN's transform keeps these sizes (no second resize)
 MASK_PARAMS = {"convert": {"val_fraction": 0.5},

@@ -1,0 +1,62 @@
+"""Drawing COCO boxes and masks on images: the evaluate stage's ``plots/val_images/`` (`detpipe.evaluation.plots`)
+and ``python -m detpipe.predict``'s ``images/``.
+
+Images are ``uint8 (3, H, W)`` RGB tensors at the original size; boxes are COCO ``[x, y, w, h]`` in that image's
+pixels (what `detpipe.evaluation.detections` returns and the ground truth holds). Each function returns a new
+image (``torchvision.utils.draw_bounding_boxes`` / ``draw_segmentation_masks``).
+"""
+from __future__ import annotations
+
+import torch
+
+
+def line_width(orig_size) -> int:
+    """Box line width in pixels that stays visible on a large image: ``max(2, round(max(H, W) / 320))`` for
+    ``orig_size`` ``(H, W)`` in pixels."""
+    return max(2, round(max(orig_size) / 320))
+
+
+def draw_boxes(image: torch.Tensor, bboxes: list, color: str, width: int = 2,
+               labels: list[str] | None = None) -> torch.Tensor:
+    """``image`` with ``bboxes`` drawn as rectangles of ``color`` (a colour name, e.g. ``"red"``).
+
+    Args:
+        image: ``uint8 (3, H, W)`` RGB.
+        bboxes: COCO ``[x, y, w, h]`` boxes (floats, pixels of ``image``); none: ``image`` is returned as it is.
+        color: the boxes' (and labels') colour.
+        width: line width in pixels.
+        labels: one text per box, written at its top-left corner (None: no text).
+    Returns:
+        ``uint8 (3, H, W)``.
+    Raises:
+        ValueError: (torchvision) ``image`` not ``uint8 (3, H, W)``, or ``labels`` not one per box.
+    """
+    if not len(bboxes):
+        return image
+    from torchvision.utils import draw_bounding_boxes
+
+    xyxy = torch.tensor([[x, y, x + w, y + h] for x, y, w, h in bboxes], dtype=torch.float32)
+    return draw_bounding_boxes(image, xyxy, labels=labels, colors=color, width=width)
+
+
+def draw_masks(image: torch.Tensor, rles: list[dict], color: str, alpha: float = 0.4) -> torch.Tensor:
+    """``image`` with the masks of ``rles`` shaded in ``color`` at opacity ``alpha``.
+
+    Args:
+        image: ``uint8 (3, H, W)`` RGB.
+        rles: COCO compressed RLEs (``{"size": [H, W], "counts": str}``, `detpipe.evaluation.detections.masks_to_rles`)
+            of the image's size; none: ``image`` is returned as it is.
+        color: the shading's colour name.
+        alpha: opacity in [0, 1].
+    Returns:
+        ``uint8 (3, H, W)``.
+    Raises:
+        ValueError: (torchvision) a mask's size is not the image's.
+    """
+    if not rles:
+        return image
+    from pycocotools import mask as mask_utils
+    from torchvision.utils import draw_segmentation_masks
+
+    m = mask_utils.decode(rles)  # (H, W, N) uint8
+    return draw_segmentation_masks(image, torch.from_numpy(m).permute(2, 0, 1).bool(), alpha=alpha, colors=color)

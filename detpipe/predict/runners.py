@@ -1,0 +1,61 @@
+"""Running predict's model file, ONNX (onnxruntime) or the train stage's ``model.pt`` (eager): `load_runner`."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from detpipe.errors import StageError
+
+Runner = Callable[[list[torch.Tensor]], list[dict]]
+
+
+def load_runner(model_path: Path | str) -> tuple[Runner, str, int | None]:
+    """A function running the model file on a batch of prepared images, a description of the runtime, and the
+    number of classes (background included) the model was built for (None for ONNX: not recorded in the file).
+
+    The runner takes ``float32 (3, h, w)`` images in [0, 1] and returns per image ``{"boxes": float32 (N, 4)
+    XYXY prepared-image pixels, "scores": float32 (N,), "labels": int64 (N,)}``.
+
+    Args:
+        model_path: ``*.onnx`` (onnxruntime, ``CPUExecutionProvider``, one image per call) or ``*.pt`` (the
+            train stage's checkpoint, `detpipe.models.load_model`, eager, the batch at once, CPU).
+    Raises:
+        StageError: the file is missing, of an unknown kind, or not loadable.
+    """
+    path = Path(model_path)
+    if not path.is_file():
+        raise StageError(f"{path}: model not found (run the pipeline, `dvc repro`, or pass --model "
+                         "models/model.onnx or models/model.pt)")
+    if path.suffix == ".onnx":
+        import onnxruntime as ort
+
+        try:
+            session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        except Exception as e:  # noqa: BLE001 - onnxruntime raises its own error types for bad files
+            raise StageError(f"{path}: not a loadable ONNX model ({type(e).__name__}: {e})") from None
+        names = [o.name for o in session.get_outputs()][:3]
+        if names != ["boxes", "scores", "labels"]:
+            raise StageError(f"{path}: outputs {names} are not the export stage's (boxes, scores, labels)")
+
+        def run_onnx(images: list[torch.Tensor]) -> list[dict]:
+            outs = [session.run(names, {"image": im.numpy()}) for im in images]
+            return [{"boxes": torch.from_numpy(b), "scores": torch.from_numpy(s), "labels": torch.from_numpy(lab)}
+                    for b, s, lab in outs]
+        return run_onnx, f"onnxruntime {ort.__version__} ({path})", None
+    if path.suffix == ".pt":
+        from detpipe.models import load_model
+
+        try:
+            model, ckpt = load_model(path)
+        except StageError:
+            raise
+        except Exception as e:  # noqa: BLE001 - torch.load / load_state_dict on a foreign file
+            raise StageError(f"{path}: not the train stage's model file ({type(e).__name__}: {e})") from None
+
+        @torch.inference_mode()
+        def run_eager(images: list[torch.Tensor]) -> list[dict]:
+            return [{k: out[k] for k in ("boxes", "scores", "labels")} for out in model(images)]
+        return run_eager, f"torch {torch.__version__} eager ({path})", int(ckpt["config"]["num_classes"])
+    raise StageError(f"{path}: unknown model file type (expected .onnx or .pt)")
