@@ -21,6 +21,7 @@ import warnings
 from pathlib import Path
 from typing import Callable, Iterator
 
+import jinja2
 import numpy as np
 import torch
 import torchvision
@@ -291,59 +292,127 @@ def export_torchscript(model: torch.nn.Module, path: Path, masks: bool) -> Calla
     return run
 
 
+MODEL_CARD_TEMPLATE = """\
+{# Jinja2, rendered by `model_card`; a line ending in a backslash continues on the next (Python's string). #}
+# Model card: {{ ckpt['config']['name'] }}
+
+- Trained for {{ ckpt.get('iters') }} iterations{{ ' (EMA weights)' if ckpt.get('ema') else '' }}; \
+{{ meta['num_classes'] - 1 }} classes + background (labels 1..{{ meta['num_classes'] - 1 }}).
+- Dataset: `{{ meta.get('annotations_file') }}`; Arrow shards manifest sha256 `{{ dataset_sha256 }}`; \
+train {{ meta['splits']['train']['images'] }} images, val {{ meta['splits']['val']['images'] }} images.
+- Model builder kwargs: `{{ ckpt['config'].get('kwargs', {}) | json }}`
+
+## Metrics (COCO {{ 'bbox and segm' if segm else 'bbox' }} on val)
+
+{% if segm %}
+| stat | bbox | segm |
+|---|---|---|
+{% for stat, value in metrics['bbox'].items() %}
+| {{ stat }} | {{ value | fmt('.4f') }} | {{ metrics['segm'][stat] | fmt('.4f') }} |
+{% endfor %}
+{% elif metrics %}
+| stat | value |
+|---|---|
+{% for stat, value in metrics['bbox'].items() %}
+| {{ stat }} | {{ value | fmt('.4f') }} |
+{% endfor %}
+{% else %}
+(no {{ metrics_path }} yet: run the evaluate stage)
+{% endif %}
+
+## Training params
+
+```yaml
+{% for key, value in ckpt.get('params', {}).items() %}
+{{ key }}: {{ value | json }}
+{% endfor %}
+```
+
+## Files
+
+{% set image_spec = '`image`: `float32 (3, H, W)` RGB in [0, 1], H and W dynamic' %}
+{% set outputs %}
+`boxes` `float32 (N, 4)` XYXY input pixels, `scores` `float32 (N,)`, `labels` `int64 (N,)`\
+{{ ', `masks` `float32 (N, 1, H, W)` mask probabilities in [0, 1] at input pixels (> 0.5: in the mask)'\
+ if masks else '' }}\
+, then the raw pre-NMS head outputs \
+{% for name in report['raw_outputs'] %}{{ ', ' if not loop.first else '' }}`{{ name }}`{% endfor %}
+{% endset %}
+| file | input | output |
+|---|---|---|
+| `model.onnx` (opset {{ report['opset'] }}) | {{ image_spec }} | {{ outputs }} |
+{% if 'torch_export' in report['formats'] %}
+| `torch_export/model.pt2` (torch.export) | {{ image_spec }} | {{ outputs }} |
+{% endif %}
+{% if 'torchscript' in report['formats'] %}
+| `torchscript/model.ts` (TorchScript) | `list[Tensor]`, each `float32 (3, H, W)` RGB in [0, 1] | \
+`(losses, detections)`; `detections[i]`: `boxes`, `scores`, `labels`{{ ', `masks`' if masks else '' }} as above |
+{% endif %}
+
+Parity with the eager model on {{ report['images'] }} val images: raw head outputs (before top-k/NMS) equal within \
+{{ report['rtol'] }} of their rms magnitude: \
+{% for name, r in report['formats'].items() %}{{ ', ' if not loop.first else '' }}\
+{{ name }} {{ 'pass' if r['raw']['ok'] else 'FAIL' }} \
+(largest relative difference {{ r['raw']['max_rel_diff'] | fmt('.2g') }}; \
+final detections matched {{ r['detections']['match'] | fmt('.3f') }}){% endfor %}.
+Labels map to COCO category ids via `category_id_to_label` in `data/arrow/meta.json`:
+
+```json
+{{ meta['label_names'] | json }}
+```
+
+## Run
+
+{% if 'torch_export' in report['formats'] %}
+```python
+import torch
+from PIL import Image
+from torchvision.transforms.functional import to_tensor
+image = to_tensor(Image.open('image.jpg').convert('RGB'))  # float32 (3, H, W) in [0, 1]
+model = torch.export.load('models/torch_export/model.pt2').module()
+boxes, scores, labels = model(image)[:3]
+```
+
+{% endif %}
+```python
+import numpy as np, onnxruntime as ort
+from PIL import Image
+image = np.asarray(Image.open('image.jpg').convert('RGB'), np.float32).transpose(2, 0, 1) / 255
+session = ort.InferenceSession('models/model.onnx', providers=['CPUExecutionProvider'])
+boxes, scores, labels = session.run(['boxes', 'scores', 'labels'], {'image': image})
+```
+"""
+
+
+@functools.cache
+def _model_card_template() -> jinja2.Template:
+    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
+                             undefined=jinja2.StrictUndefined, autoescape=False)
+    env.filters.update(json=json.dumps, fmt=format)  # json.dumps as is (Jinja's tojson escapes <>&'), format(v, spec)
+    return env.from_string(MODEL_CARD_TEMPLATE)
+
+
 def model_card(ckpt: dict, report: dict, arrow_dir: Path, metrics_path: Path) -> str:
-    """Markdown model card: dataset hash (manifest sha256 of the Arrow shards, `detpipe.files.folder_sha256`),
-    training params, COCO metrics (if ``metrics_path`` exists), the input/output spec of each exported file, the
-    parity figures and minimal snippets to run the files."""
+    """Markdown model card, rendered from `MODEL_CARD_TEMPLATE` (Jinja2): dataset hash (manifest sha256 of the
+    Arrow shards, `detpipe.files.folder_sha256`), training params, COCO metrics (if ``metrics_path`` exists), the
+    input/output spec of each exported file, the parity figures and minimal snippets to run the files.
+
+    Args:
+        ckpt: the final checkpoint (``models/model.pt``: ``config``, ``iters``, ``ema``, ``params``).
+        report: the export report (``models/export_report.json``: ``opset``, ``formats``, ``images``, ``rtol``,
+            ``raw_outputs``, ``masks``).
+        arrow_dir: the convert stage's output (its ``meta.json`` and shards).
+        metrics_path: the evaluate stage's ``metrics/eval.json`` (bbox, and segm for mask models).
+    Returns:
+        The card's markdown text, ending with one newline.
+    Raises:
+        detpipe.errors.StageError: ``arrow_dir/meta.json`` missing or not JSON (`detpipe.data.meta.read_meta`).
+        OSError: ``arrow_dir`` or ``metrics_path`` unreadable.
+        jinja2.UndefinedError: ``ckpt``, ``report`` or ``meta.json`` lacks a key the card shows.
+    """
     meta = read_meta(Path(arrow_dir) / "meta.json", "convert")
     metrics = json.loads(Path(metrics_path).read_text()) if Path(metrics_path).is_file() else None
-    masks = bool(report.get("masks"))
-    mask_spec = ", `masks` `float32 (N, 1, H, W)` mask probabilities in [0, 1] at input pixels (> 0.5: in the " \
-                "mask)" if masks else ""
-    flat = (f"`boxes` `float32 (N, 4)` XYXY input pixels, `scores` `float32 (N,)`, `labels` `int64 (N,)`"
-            f"{mask_spec}, then the raw pre-NMS head outputs {', '.join(f'`{n}`' for n in report['raw_outputs'])}")
-    lines = [f"# Model card: {ckpt['config']['name']}", "",
-             f"- Trained for {ckpt.get('iters')} iterations{' (EMA weights)' if ckpt.get('ema') else ''}; "
-             f"{meta['num_classes'] - 1} classes + background (labels 1..{meta['num_classes'] - 1}).",
-             f"- Dataset: `{meta.get('annotations_file')}`; Arrow shards manifest sha256 "
-             f"`{folder_sha256(Path(arrow_dir))}`; train {meta['splits']['train']['images']} images, "
-             f"val {meta['splits']['val']['images']} images.",
-             f"- Model builder kwargs: `{json.dumps(ckpt['config'].get('kwargs', {}))}`", "",
-             f"## Metrics (COCO {'bbox and segm' if metrics and 'segm' in metrics else 'bbox'} on val)", ""]
-    if metrics and "segm" in metrics:
-        lines += ["| stat | bbox | segm |", "|---|---|---|"] + [
-            f"| {k} | {v:.4f} | {metrics['segm'][k]:.4f} |" for k, v in metrics["bbox"].items()]
-    elif metrics:
-        lines += ["| stat | value |", "|---|---|"] + [f"| {k} | {v:.4f} |" for k, v in metrics["bbox"].items()]
-    else:
-        lines += [f"(no {metrics_path} yet: run the evaluate stage)"]
-    lines += ["", "## Training params", "", "```yaml"] + [f"{k}: {json.dumps(v)}"
-                                                          for k, v in ckpt.get("params", {}).items()]
-    image_spec = "`image`: `float32 (3, H, W)` RGB in [0, 1], H and W dynamic"
-    lines += ["```", "", "## Files", "", "| file | input | output |", "|---|---|---|",
-              f"| `model.onnx` (opset {report['opset']}) | {image_spec} | {flat} |"]
-    if "torch_export" in report["formats"]:
-        lines += [f"| `torch_export/model.pt2` (torch.export) | {image_spec} | {flat} |"]
-    if "torchscript" in report["formats"]:
-        lines += ["| `torchscript/model.ts` (TorchScript) | `list[Tensor]`, each `float32 (3, H, W)` RGB in "
-                  "[0, 1] | `(losses, detections)`; `detections[i]`: `boxes`, `scores`, `labels`"
-                  f"{', `masks`' if masks else ''} as above |"]
-    lines += ["", f"Parity with the eager model on {report['images']} val images: raw head outputs (before "
-              f"top-k/NMS) equal within {report['rtol']} of their rms magnitude: " + ", ".join(
-                  f"{fmt} {'pass' if r['raw']['ok'] else 'FAIL'} (largest relative difference "
-                  f"{r['raw']['max_rel_diff']:.2g}; final detections matched {r['detections']['match']:.3f})"
-                  for fmt, r in report["formats"].items()) + ".",
-              "Labels map to COCO category ids via `category_id_to_label` in `data/arrow/meta.json`:",
-              "", "```json", json.dumps(meta["label_names"]), "```", "",
-              "## Run", ""]
-    if "torch_export" in report["formats"]:
-        lines += ["```python", "import torch", "from PIL import Image",
-                  "from torchvision.transforms.functional import to_tensor",
-                  "image = to_tensor(Image.open('image.jpg').convert('RGB'))  # float32 (3, H, W) in [0, 1]",
-                  "model = torch.export.load('models/torch_export/model.pt2').module()",
-                  "boxes, scores, labels = model(image)[:3]", "```", ""]
-    lines += ["```python", "import numpy as np, onnxruntime as ort", "from PIL import Image",
-              "image = np.asarray(Image.open('image.jpg').convert('RGB'), np.float32).transpose(2, 0, 1) / 255",
-              "session = ort.InferenceSession('models/model.onnx', providers=['CPUExecutionProvider'])",
-              "boxes, scores, labels = session.run(['boxes', 'scores', 'labels'], {'image': image})", "```", ""]
-    return "\n".join(lines)
+    return _model_card_template().render(
+        ckpt=ckpt, report=report, meta=meta, metrics=metrics, metrics_path=metrics_path,
+        segm=bool(metrics and "segm" in metrics), masks=bool(report.get("masks")),
+        dataset_sha256=folder_sha256(Path(arrow_dir)))

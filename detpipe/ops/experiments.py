@@ -1,5 +1,5 @@
 """A flow run's DVC side: one stage reproduced (``dvc repro --single-item``) and what DVC did with it, the
-workspace saved as DVC experiment (``dvc exp save``), and the run's result read from ``dvc.lock``.
+workspace saved as DVC experiment (``dvc exp save``), and the run's result read from ``dvc.lock`` (by DVC).
 
 An experiment is a git commit whose parent is the run's *baseline* (the workspace's ``HEAD``), under the ref
 ``refs/exps/<baseline[:2]>/<baseline[2:]>/<name>`` (`experiment_ref`: DVC's layout, used for finished runs here and
@@ -11,8 +11,6 @@ import json
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING
-
-import yaml
 
 from detpipe.ops import workspace
 from detpipe.ops.processes import dvc, git, run_logged
@@ -77,14 +75,15 @@ def summarize(ws: Path, stages: dict[str, str], experiment: str, ref: str, overr
     ``remotes`` (a run that syncs) its URI in the DVC remote and the git remote's URL, else its file in the
     shared DVC cache (``<cache>/files/md5/ab/cdef…``). An output missing from the cache is left out.
 
+    The md5s are those ``dvc.lock`` records, read by DVC (`detpipe.ops.workspace.locked_outs`).
+
     Raises:
         detpipe.ops.processes.CommandError: ``dvc cache dir`` fails.
-        OSError, KeyError: no ``dvc.lock`` or ``metrics/eval.json`` (the pipeline did not finish).
+        OSError: no ``dvc.lock`` or ``metrics/eval.json`` (the pipeline did not finish).
+        dvc.exceptions.DvcException: DVC cannot read dvc.yaml or dvc.lock.
     """
     cache = Path(run_logged(dvc("cache", "dir"), ws, logger)[-1])
-    lock = yaml.safe_load((ws / "dvc.lock").read_text())["stages"]
-    cached = set(workspace.pipeline_outs(ws, cached=True))
-    outs = {o["path"]: o["md5"] for s in lock.values() for o in s.get("outs", []) if o["path"] in cached}
+    outs = workspace.locked_outs(ws)
     files = {p: cache / "files" / "md5" / h[:2] / h[2:] for p, h in outs.items()}
     where = (lambda p: {"remote": remotes.uri(outs[p])}) if remotes else (lambda p: {"cache": str(files[p])})
     outputs = {p: {"md5": outs[p], **where(p)} for p, f in files.items() if f.is_file()}

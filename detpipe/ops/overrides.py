@@ -1,5 +1,9 @@
-"""params.yaml overrides of a run: ``section.key=value`` items (OmegaConf's dotlist grammar), checked against
-the schema of `detpipe.params`, written into a params.yaml with its comments kept (ruamel.yaml round trip)."""
+"""params.yaml overrides of a run: ``section.key=value`` items (each value read as YAML, as params.yaml is), checked
+against the schema of `detpipe.params`, written into a params.yaml with its comments kept (ruamel.yaml round trip).
+
+ruamel.yaml is the project's one YAML library for params.yaml: `detpipe.params.load` reads the file with it (YAML
+1.2, as DVC does), `parse` reads override values with the same reader, and `apply` writes with its round trip,
+which keeps comments and layout (PyYAML cannot)."""
 from __future__ import annotations
 
 import copy
@@ -8,8 +12,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from ruamel.yaml import YAML
+from ruamel.yaml.comments import CommentedSeq
+from ruamel.yaml.constructor import SafeConstructor
+from ruamel.yaml.error import YAMLError
 
 from detpipe import params as params_mod
 from detpipe.errors import StageError
@@ -20,20 +26,47 @@ class OverrideError(StageError):
     """An override that is malformed, names no params.yaml key, or breaks the schema; one line."""
 
 
+class _ValueConstructor(SafeConstructor):
+    """The safe loader's constructor with dates kept as text (no param is a date; a date-like run id stays a
+    string). A subclass, since ``add_constructor`` changes the registry of the class it is called on."""
+
+
+_ValueConstructor.add_constructor("tag:yaml.org,2002:timestamp", SafeConstructor.construct_yaml_str)
+
+
 def parse(items: list[str]) -> dict[str, Any]:
     """``["train.lr=0.01", "train.milestones=[0.5, 0.8]"]`` → ``{"train.lr": 0.01, "train.milestones": [0.5,
-    0.8]}``; values follow OmegaConf's dotlist grammar (numbers, booleans, null, lists; else strings).
+    0.8]}``. Each value is read as YAML 1.2 (ruamel.yaml's safe loader, as `detpipe.params.load` reads params.yaml,
+    so a value means what the same text means in the file): numbers (``1e-3`` too), ``true``/``false``, ``null``
+    or nothing, ``[...]`` lists, ``{...}`` mappings; anything else is a string (``off``, ``yes``, ``24:00:00``,
+    ``2:4``, and dates such as ``2024-05-01``: no param is a date). Items are grouped by section in the order
+    sections first appear (a later item for the same key wins); ``train={lr: 0.01}`` is ``train.lr=0.01``.
 
     Raises:
-        OverrideError: an item without ``=`` or with an unparsable value.
+        OverrideError: an item without ``=``, a value that is not YAML (e.g. ``[0.5,``), or a key that is not
+            ``section.key`` of `detpipe.params.Params` (`normalize`).
     """
     for item in items:
         if "=" not in item or not item.partition("=")[0].strip():
             raise OverrideError(f"override '{item}': expected section.key=value, e.g. train.lr=0.01")
-    try:
-        nested = OmegaConf.to_container(OmegaConf.from_dotlist(list(items)))
-    except OmegaConfBaseException as e:
-        raise OverrideError(f"overrides {items}: {str(e).splitlines()[0]}") from None
+    reader = YAML(typ="safe", pure=True)
+    reader.Constructor = _ValueConstructor
+    nested: dict[str, Any] = {}
+    for item in items:
+        key, _, text = item.partition("=")
+        try:
+            value = reader.load(text)
+        except YAMLError as e:
+            raise OverrideError(f"override '{item}': the value is not YAML: {str(e).strip().splitlines()[0]}") from None
+        section, dot, name = key.partition(".")
+        if dot:
+            if not isinstance(nested.get(section), dict):
+                nested[section] = {}
+            nested[section][name] = value
+        elif isinstance(value, dict) and isinstance(nested.get(section), dict):
+            nested[section].update(value)
+        else:
+            nested[section] = value
     return normalize(nested)
 
 
@@ -97,8 +130,6 @@ def json_schema() -> dict:
 
 
 def _yaml_rt():
-    from ruamel.yaml import YAML
-
     rt = YAML()  # round trip: comments and layout of untouched keys are kept
     rt.preserve_quotes = True
     rt.width = 4096
@@ -115,8 +146,6 @@ def apply(params_file: Path, overrides: dict[str, Any]) -> bytes:
         OverrideError: the overridden params break the schema (the message names the key and value); the file
             is then left unchanged.
     """
-    from ruamel.yaml.comments import CommentedSeq
-
     original = params_file.read_bytes()
     rt = _yaml_rt()
     data = rt.load(original.decode())

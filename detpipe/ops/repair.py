@@ -16,6 +16,10 @@ up while a stage's command runs, ``dvc/stage/decorators.py::unlocked_repo``); th
 commands that hold stage locks. `repair` never touches anything while a DVC command or a stage runs in the
 repository: see `live_processes`.
 
+It reads dvc.yaml and dvc.lock itself, with DVC's YAML reader and lock file schema (``dvc.utils.serialize.parse_yaml``,
+``dvc.schema.COMPILED_LOCKFILE_SCHEMA``), not through ``dvc.repo.Repo`` as the rest of ``detpipe.ops`` does: the
+Repo's index reads dvc.lock together with dvc.yaml and refuses a cut-short one, which is what repair must mend.
+
 Stages write their outputs through ``detpipe.files`` (a temporary path beside the output, then a rename), so a
 killed stage leaves ``.<name>.tmp-*`` (``atomic_dir``, ``atomic_write_bytes``), ``.<name>.old-<pid>``
 (``atomic_dir`` replacing an output) or ``.<name>.fetch-*`` (download) beside its outputs; `repair` removes them.
@@ -40,7 +44,6 @@ from pathlib import Path
 from typing import Iterator
 
 import psutil
-import yaml
 
 from detpipe.errors import StageError, run_program
 from detpipe.files import temp_of
@@ -274,10 +277,15 @@ def _repair_rwlock(root: Path) -> list[str]:
 
 
 def _declared_outputs(root: Path) -> list[Path]:
-    """Every out, metric and plot path of dvc.yaml's stages (relative to ``root``; templated ones skipped)."""
+    """Every out, metric and plot path of dvc.yaml's stages (relative to ``root``; templated ones skipped); none
+    when dvc.yaml is missing or not YAML. Read by hand (see the module docstring: DVC's index would read dvc.lock
+    too, and fail on a cut-short one)."""
+    from dvc.utils.serialize import YAMLFileCorruptedError, parse_yaml
+
+    path = root / "dvc.yaml"
     try:
-        stages = (yaml.safe_load((root / "dvc.yaml").read_text(encoding="utf-8")) or {}).get("stages") or {}
-    except (OSError, yaml.YAMLError):
+        stages = parse_yaml(path.read_text(encoding="utf-8"), str(path)).get("stages") or {}
+    except (OSError, YAMLFileCorruptedError):
         return []
     paths = []
     for stage in stages.values():

@@ -22,8 +22,6 @@ import subprocess
 from pathlib import Path
 from typing import Iterator
 
-import yaml
-
 from detpipe.errors import StageError
 from detpipe.ops.processes import dvc, git, run_logged
 
@@ -35,39 +33,89 @@ class WorkspaceError(StageError):
 
 
 def resolve_repo(repo: str | os.PathLike, stages: tuple[str, ...]) -> Path:
-    """``repo`` as an absolute path, checked to be a git+DVC repository whose ``dvc.yaml`` defines ``stages``.
+    """``repo`` as an absolute path, checked to be a git+DVC repository whose ``dvc.yaml`` defines ``stages``
+    (read by DVC: `dvc.repo.index.Index.from_file`, which validates dvc.yaml and dvc.lock against DVC's schemas).
 
     Raises:
-        WorkspaceError: not a DVC repository, other stages, or no git commit to start a run from.
+        WorkspaceError: not a DVC repository, no git commit to start a run from, a dvc.yaml or dvc.lock that DVC
+            cannot read, or other stages.
     """
+    from dvc.exceptions import DvcException
+    from dvc.repo import Repo
+    from dvc.repo.index import Index
+
     root = Path(repo).expanduser().resolve()
     dvc_yaml = root / "dvc.yaml"
     if not dvc_yaml.is_file() or not (root / ".dvc").is_dir():
         raise WorkspaceError(f"{root}: not a DVC repository with a dvc.yaml")
-    found = list((yaml.safe_load(dvc_yaml.read_text()) or {}).get("stages") or {})
-    if sorted(found) != sorted(stages):
-        raise WorkspaceError(f"{dvc_yaml}: stages {found} differ from the flow's {list(stages)}")
+    # before DVC reads it: DVC's Repo refuses a folder that is no git repository at all, with a less helpful line
     if git(root, "rev-parse", "--verify", "-q", "HEAD", check=False).returncode:
         raise WorkspaceError(f"{root}: a run is a DVC experiment, which needs a git commit to start from "
                              "(git init && git add -A && git commit)")
+    try:
+        with Repo(str(root)) as dvc_repo:
+            found = [stage.name for stage in Index.from_file(dvc_repo, str(dvc_yaml)).stages]
+    except DvcException as e:
+        why = str(e).strip().partition("\n")[0] or type(e).__name__
+        raise WorkspaceError(f"{root}: DVC cannot read the pipeline: {why}") from None
+    if sorted(found) != sorted(stages):
+        raise WorkspaceError(f"{dvc_yaml}: stages {found} differ from the flow's {list(stages)}")
     return root
 
 
-def pipeline_outs(root: Path, cached: bool) -> list[str]:
-    """Paths (relative to ``root``) of the pipeline's outputs stored in DVC's cache (``cached``) or in git
-    (``cache: false`` metrics and plots)."""
+def _outputs(root: Path) -> list[tuple[str, bool, str | None]]:
+    """Every output (outs, metrics, plots) of the pipeline in ``root`` as DVC reads it (`dvc.repo.Repo`'s index:
+    dvc.yaml, with the hashes dvc.lock records): ``(path relative to root, stored in DVC's cache, md5 or None)``,
+    the md5 being dvc.lock's (``<md5>.dir`` for a folder; None when dvc.lock records none). Stage by stage in
+    dvc.yaml's order, by path within a stage (dvc.lock's order).
+
+    Raises:
+        dvc.exceptions.DvcException: DVC cannot read dvc.yaml or dvc.lock (e.g. one cut short by a kill).
+    """
     from dvc.repo import Repo
 
     with Repo(str(root)) as repo:
-        return sorted({os.path.relpath(o.fs_path, root) for o in repo.index.outs if o.use_cache == cached})
+        return [(os.path.relpath(out.fs_path, root), out.use_cache,
+                 out.hash_info.value if out.hash_info else None)
+                for stage in repo.index.stages for out in sorted(stage.outs, key=lambda o: o.def_path)]
+
+
+def pipeline_outs(root: Path, cached: bool) -> list[str]:
+    """Paths (relative to ``root``, sorted) of the pipeline's outputs stored in DVC's cache (``cached``) or in
+    git (``cache: false`` metrics and plots).
+
+    Raises:
+        dvc.exceptions.DvcException: DVC cannot read dvc.yaml or dvc.lock.
+    """
+    return sorted({path for path, in_cache, _ in _outputs(root) if in_cache == cached})
+
+
+def locked_outs(root: Path) -> dict[str, str]:
+    """The md5 that ``root``'s dvc.lock records for each output stored in DVC's cache, by path relative to
+    ``root`` (``<md5>.dir`` for a folder: the name of its listing in the cache); an output dvc.lock records no
+    hash for is left out. Ordered as `_outputs`.
+
+    Raises:
+        FileNotFoundError: no dvc.lock (no stage has finished).
+        dvc.exceptions.DvcException: DVC cannot read dvc.yaml or dvc.lock.
+    """
+    if not (root / "dvc.lock").is_file():
+        raise FileNotFoundError(f"{root / 'dvc.lock'}: no such file (no stage of the pipeline has finished)")
+    return {path: md5 for path, in_cache, md5 in _outputs(root) if in_cache and md5}
 
 
 def untracked_pipeline_files(root: Path) -> list[str]:
     """Untracked files that ``dvc exp run`` would commit with an experiment but ``dvc exp save`` needs
     ``--include-untracked`` for: ``cache: false`` outputs and the ``.gitignore`` files DVC writes beside
-    cached outputs."""
-    paths = set(pipeline_outs(root, cached=False))
-    paths |= {os.path.join(os.path.dirname(p), ".gitignore") for p in pipeline_outs(root, cached=True)}
+    cached outputs (paths relative to ``root``, sorted).
+
+    Raises:
+        dvc.exceptions.DvcException: DVC cannot read dvc.yaml or dvc.lock.
+        subprocess.CalledProcessError: ``git ls-files`` failed.
+    """
+    outs = _outputs(root)
+    paths = {path for path, in_cache, _ in outs if not in_cache}
+    paths |= {os.path.join(os.path.dirname(path), ".gitignore") for path, in_cache, _ in outs if in_cache}
     out = git(root, "ls-files", "-z", "--others", "--exclude-standard", "--", *sorted(paths)).stdout
     return sorted(filter(None, out.split("\0")))
 
