@@ -45,7 +45,7 @@ ROOTS = {
     "pydantic": "detpipe.params (the validated params.yaml schema)",
     "ruamel.yaml": "detpipe.params (comment-keeping YAML)",
     "dvclive": "detpipe.engine.hooks.MetricsHook (training curves in dvclive/)",
-    "orjson": "detpipe.data.coco / cocoarrow (the convert stage's JSON reader)",
+    "orjson": "detpipe.data.coco_reader / cocoarrow (the convert stage's JSON reader)",
     "pycocotools": "detpipe.data (RLE masks); torchvision.datasets.CocoDetection in the benchmarks",
     "faster-coco-eval": "detpipe.evaluation.coco_metrics (the default COCOeval backend)",
 }

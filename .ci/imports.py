@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def project_file(module: str) -> Path | None:
-    """The file of project module ``module`` (``detpipe.data.coco`` -> detpipe/data/coco.py, a package -> its
+    """The file of project module ``module`` (``detpipe.data.coco_schema`` -> detpipe/data/coco_schema.py, a package -> its
     ``__init__.py``), or None when it is not one of the project's."""
     base = ROOT / module.replace(".", "/")
     for p in (base.with_suffix(".py"), base / "__init__.py"):
@@ -24,7 +24,7 @@ def project_file(module: str) -> Path | None:
 def imports(path: Path) -> set[str]:
     """Project modules (``detpipe...``, ``stages...``) imported anywhere in ``path``, as dotted names: for ``from
     package import name`` the submodule when ``name`` is one, else the package; every enclosing package too
-    (importing ``detpipe.data.coco`` runs ``detpipe/data/__init__.py``)."""
+    (importing ``detpipe.data.coco_schema`` runs ``detpipe/data/__init__.py``)."""
     mods: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:

@@ -1,11 +1,11 @@
 """COCO image records -> validated rows -> Arrow IPC shard files (the convert stage's worker side).
 
 One `ShardTask` is a run of consecutive images of one split (`plan_shards`, from the split's
-`detpipe.data.coco.ImageTable`); `convert_shard` reads each image's annotations (their JSON text, from the
+`detpipe.data.coco_reader.ImageTable`); `convert_shard` reads each image's annotations (their JSON text, from the
 annotation file) and its file, hashes the file (SHA-1: a val image equal to a kept train image is dropped,
 `train_copy`), checks it (`detpipe.data.imageio.inspect`), applies the annotation rules
-(`detpipe.data.coco.clean_annotations`), maps annotations to the displayed frame where EXIF orientation asks for it
-(`detpipe.data.geometry`) and writes the rows as record batches of at most `BATCH_BYTES` image bytes (and as
+(`detpipe.data.coco_reader.clean_annotations`), maps annotations to the displayed frame where EXIF orientation asks
+for it (`detpipe.data.geometry`) and writes the rows as record batches of at most `BATCH_BYTES` image bytes (and as
 much segmentation text). It runs in a
 worker process (or in-process) and holds one image's annotations and one record batch at a time.
 """
@@ -23,7 +23,8 @@ import numpy as np
 import orjson
 import pyarrow as pa
 
-from detpipe.data.coco import Entry, Frame, ImageTable, Report, clean_annotations, to_rle
+from detpipe.data.coco_reader import Entry, Frame, ImageTable, clean_annotations
+from detpipe.data.coco_schema import Report, to_rle
 from detpipe.data.geometry import orient_box, orient_segmentation
 from detpipe.data.imageio import Unreadable, inspect
 
@@ -66,8 +67,8 @@ class LeakCheck:
 
 @dataclasses.dataclass
 class ShardTask:
-    """One shard to write: the images ``rows`` (rows of the split's `detpipe.data.coco.ImageTable`, ascending id)
-    of ``split`` into ``out_path``. Per image: ``image_ids`` (int64), ``file_names``, ``widths``/``heights`` (int32,
+    """One shard to write: the images ``rows`` (rows of the split's `detpipe.data.coco_reader.ImageTable`, ascending
+    id) of ``split`` into ``out_path``. Per image: ``image_ids`` (int64), ``file_names``, ``widths``/``heights`` (int32,
     pixels, as in the JSON) and ``ann_counts``; its annotations are the next ``ann_counts[k]`` JSON texts at
     (``ann_starts``, ``ann_lengths``) bytes of ``ann_source``, parsed with orjson if ``fast_json`` (the file parsed
     with orjson: orjson.dumps then also reproduces its values exactly), else Python's json. ``leak``: val only."""

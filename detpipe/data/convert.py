@@ -42,7 +42,8 @@ Rows within a split are in ascending ``image_id`` order.
 ..., "val_fraction": ..., "seed": ...}`` (shard paths relative to ``data/arrow``).
 
 Split: without ``val_annotations`` the unique image ids of the one file are sorted, permuted with
-``numpy.random.default_rng(seed).permutation`` and the first ``round(n * val_fraction)`` go to val (`split_ids`).
+``numpy.random.default_rng(seed).permutation`` and the first ``round(n * val_fraction)`` go to val
+(`detpipe.data.coco_reader.val_positions`; `split_ids` gives the same split of a list of ids).
 With ``val_annotations`` (images in ``val_images``, default ``images``) that file is the val split,
 ``val_fraction`` is ignored, and its categories must equal the train file's (same ids and names) or the stage
 fails.
@@ -54,11 +55,11 @@ RLE masks are mapped to the displayed frame (``fixed``); when they instead equal
 90-degree-rotated image, the annotations are taken as already displayed-frame (``kept``). The encoded bytes are
 never modified.
 
-Validation: the rules are the table `detpipe.data.coco.RULES` (rule -> action, description; ``report.json`` lists
+Validation: the rules are the table `detpipe.data.coco_schema.RULES` (rule -> action, description; ``report.json`` lists
 each with its count and first 5 examples: split, file, record, detail). Each dropped record is counted under the
 first rule it breaks; ``convert.strict: true`` turns every rule into a ``StageError`` naming the file, the record
 and the rule. Inputs that always stop the stage (``error: ... (rule '<name>')``, exit 2) are the table
-`detpipe.data.coco.ERRORS`: malformed JSON or records, file names no filesystem takes, JSON nested too deeply,
+`detpipe.data.coco_schema.ERRORS`: malformed JSON or records, file names no filesystem takes, JSON nested too deeply,
 disagreeing val categories, and any split that the rules empty. Each file (train, val) has its own image-id
 space: a val file may reuse train's ids; reports name the split with every id.
 
@@ -67,12 +68,12 @@ still entropy-decodes every block, skipping only the full-size IDCT and colour c
 files as ``decode_rgb`` at about 40 % of its cost (tests/stages/test_convert.py checks the agreement on truncated and
 garbled COCO images). Other formats are decoded in full with ``decode_rgb``.
 
-Streaming and parallel: the annotation file is never held whole (`detpipe.data.coco.read_coco`): it is read in
-chunks of 2 MiB, each image and annotation record is parsed alone (orjson) and checked, and only compact columns
-stay (per image id, width, height and file name; per annotation id, image id and where its JSON text lies in the
-file); ids are deduplicated and sorted with numpy (`detpipe.data.coco.index`). Shards are planned from the file
-sizes (at most ``shard_mb`` x 10^6 bytes of image bytes each, unless one image alone is larger); each shard is one
-task that a worker process reads (each image's annotations parsed again from the file, one image at a time),
+Streaming and parallel: the annotation file is never held whole (`detpipe.data.coco_reader.read_coco`): it is
+read in chunks of 2 MiB, each image and annotation record is parsed alone (orjson) and checked, and only compact
+columns stay (per image id, width, height and file name; per annotation id, image id and where its JSON text lies
+in the file); ids are deduplicated and sorted with numpy (`detpipe.data.coco_reader.index`). Shards are planned from
+the file sizes (at most ``shard_mb`` x 10^6 bytes of image bytes each, unless one image alone is larger); each shard
+is one task that a worker process reads (each image's annotations parsed again from the file, one image at a time),
 validates and writes itself (``workers``; 0 = in this process), with at most 2 x ``workers`` tasks in flight. Memory:
 this process ~40 bytes per image record (+ its file name) and ~32 bytes per annotation record (~100 at the
 peak of sorting them), whatever their JSON size; each worker one image's annotations and one record batch.
@@ -94,7 +95,8 @@ from typing import Iterator
 
 import numpy as np
 
-from detpipe.data.coco import ImageTable, Report, gc_paused, index, read_coco, split_ids, val_positions
+from detpipe.data.coco_reader import ImageTable, gc_paused, index, read_coco, split_ids, val_positions
+from detpipe.data.coco_schema import Report
 from detpipe.data.cocoarrow import (SCHEMA, ShardResult, convert_shard, plan_shards, write_leak_check)
 from detpipe.data.imageio import inspect_image
 from detpipe.errors import StageError
@@ -218,8 +220,8 @@ def convert(raw_root: Path | str, out_dir: Path | str, params: Convert, *, progr
     Returns:
         ``{"meta": <meta.json>, "report": <report.json>}``.
     Raises:
-        StageError: an input of `detpipe.data.coco.ERRORS` (malformed annotation file, a split emptied by the
-            rules, ...), a missing image folder, or (``params.strict``) any rule of `detpipe.data.coco.RULES`.
+        StageError: an input of `detpipe.data.coco_schema.ERRORS` (malformed annotation file, a split emptied by the
+            rules, ...), a missing image folder, or (``params.strict``) any rule of `detpipe.data.coco_schema.RULES`.
     """
     raw_root, out_dir = Path(raw_root), Path(out_dir)
     t0 = time.perf_counter()

@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import contextlib
 import io
-import math
-import numbers
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from detpipe.data.coco import segmentation_problem
+from detpipe.data.coco_schema import (COCO_ARRAYS, array_problem, is_crowd_flag, is_finite_number, is_int,
+                                      segmentation_problem, to_rle)
 from detpipe.errors import StageError
 
 STAT_NAMES = ("AP", "AP50", "AP75", "APs", "APm", "APl", "AR1", "AR10", "AR100", "ARs", "ARm", "ARl")
@@ -83,24 +82,15 @@ class CocoResult:
 # ----------------------------------------------------------------------------------------------- checks
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
-
-
-def _is_num(v) -> bool:
-    return isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_)) and math.isfinite(v)
-
-
-
 def _referenced_image(rec: dict, images: dict, cat_ids, where: str, what: tuple[str, str], rule: str) -> dict:
     """The image record ``rec["image_id"]`` names, after checking it and ``rec["category_id"]`` exist.
     Raises `StageError` ``<where>: image_id X <what[0]> (rule: ...)`` (or the category's, with ``what[1]``)."""
     iid = rec.get("image_id")
-    img = images.get(iid) if _is_int(iid) else None
+    img = images.get(iid) if is_int(iid) else None
     if img is None:
         raise StageError(f"{where}: image_id {iid!r} {what[0]} (rule: {rule.format('image_id')})")
     cid = rec.get("category_id")
-    if not _is_int(cid) or int(cid) not in cat_ids:
+    if not is_int(cid) or int(cid) not in cat_ids:
         raise StageError(f"{where}: category_id {cid!r} {what[1]} (rule: {rule.format('category_id')})")
     return img
 
@@ -108,26 +98,17 @@ def _check_box(bbox) -> str | None:
     """Return why ``bbox`` is not a COCO box ``[x, y, w, h]`` (4 finite numbers, w, h >= 0), or None."""
     if not isinstance(bbox, (list, tuple, np.ndarray)) or len(bbox) != 4:
         return f"bbox {bbox!r} is not 4 numbers [x, y, w, h]"
-    if not all(_is_num(v) for v in bbox):
+    if not all(is_finite_number(v) for v in bbox):
         return f"bbox {list(bbox)!r} has a value that is not a finite number"
     if bbox[2] < 0 or bbox[3] < 0:
         return f"bbox {list(bbox)!r} has a negative width or height"
     return None
 
 
-def _to_rle(segm, h: int, w: int, mask_utils) -> dict:
-    """Polygons / uncompressed RLE / compressed RLE -> one compressed RLE (as pycocotools ``COCO.annToRLE``)."""
-    if isinstance(segm, list):
-        return mask_utils.merge(mask_utils.frPyObjects(segm, h, w))
-    if isinstance(segm["counts"], list):
-        return mask_utils.frPyObjects(segm, h, w)
-    return segm
-
-
 def _check_segm(segm, img: dict) -> str | None:
     """Return why ``segm`` is not a usable COCO segmentation for image ``img``, or None: the convert stage's
-    definition (`detpipe.data.coco.segmentation_problem`: polygons of >= 3 finite points, RLE of the image's size whose
-    runs cover it exactly), and not empty."""
+    definition (`detpipe.data.coco_schema.segmentation_problem`: polygons of >= 3 finite points, RLE of the image's
+    size whose runs cover it exactly), and not empty."""
     if isinstance(segm, list) and not segm:
         return "segmentation polygons must be a non-empty list of [x1, y1, x2, y2, ...] with >= 3 points"
     why = segmentation_problem(segm, img["height"], img["width"])
@@ -139,8 +120,8 @@ def _prepare_gt(gt: dict, iou_type: str, src: str, mask_utils) -> tuple[dict, di
     modified). Returns (dataset, images by id)."""
     if not isinstance(gt, dict):
         raise StageError(f"{src}: not a COCO instances dict (got {type(gt).__name__})")
-    for key in ("images", "annotations", "categories"):
-        if not isinstance(gt.get(key), list):
+    for key in COCO_ARRAYS:
+        if array_problem(gt, key) is not None:
             raise StageError(f"{src}: key '{key}' missing or not a list (rule: a COCO instances dict has "
                              f"'images', 'annotations' and 'categories' lists)")
     if not gt["images"]:
@@ -151,7 +132,7 @@ def _prepare_gt(gt: dict, iou_type: str, src: str, mask_utils) -> tuple[dict, di
     images: dict[int, dict] = {}
     for i, im in enumerate(gt["images"]):
         iid = im.get("id") if isinstance(im, dict) else None
-        if not _is_int(iid):
+        if not is_int(iid):
             raise StageError(f"{src}: images[{i}]: id {iid!r} is not an integer (rule: image ids are integers)")
         iid = int(iid)
         if iid in images:
@@ -159,7 +140,7 @@ def _prepare_gt(gt: dict, iou_type: str, src: str, mask_utils) -> tuple[dict, di
         rec = {"id": iid}
         for k in ("height", "width"):
             if k in im:
-                if not _is_int(im[k]) or im[k] <= 0:
+                if not is_int(im[k]) or im[k] <= 0:
                     raise StageError(f"{src}: image id {iid}: {k} {im[k]!r} is not a positive integer")
                 rec[k] = int(im[k])
             elif iou_type == "segm":
@@ -170,7 +151,7 @@ def _prepare_gt(gt: dict, iou_type: str, src: str, mask_utils) -> tuple[dict, di
     names: set[str] = set()
     for i, c in enumerate(gt["categories"]):
         cid = c.get("id") if isinstance(c, dict) else None
-        if not _is_int(cid):
+        if not is_int(cid):
             raise StageError(f"{src}: categories[{i}]: id {cid!r} is not an integer")
         cid = int(cid)
         name = c.get("name")
@@ -194,7 +175,7 @@ def _prepare_gt(gt: dict, iou_type: str, src: str, mask_utils) -> tuple[dict, di
         if (why := _check_box(a.get("bbox"))) is not None:
             raise StageError(f"{src}: {rec_name}: {why}")
         crowd = a.get("iscrowd", 0)
-        if crowd not in (0, 1) or isinstance(crowd, float):
+        if not is_crowd_flag(crowd):
             raise StageError(f"{src}: {rec_name}: iscrowd {crowd!r} is not 0 or 1")
         bbox = [float(v) for v in a["bbox"]]
         rec = {"id": len(anns) + 1, "image_id": img["id"], "category_id": int(a["category_id"]), "bbox": bbox,
@@ -208,11 +189,10 @@ def _prepare_gt(gt: dict, iou_type: str, src: str, mask_utils) -> tuple[dict, di
         area = a.get("area")
         if area is None:
             if iou_type == "segm":
-                area = float(mask_utils.area(_to_rle(rec["segmentation"], img["height"], img["width"],
-                                                     mask_utils)))
+                area = float(mask_utils.area(to_rle(rec["segmentation"], img["height"], img["width"])))
             else:
                 area = bbox[2] * bbox[3]
-        elif not _is_num(area) or area < 0:
+        elif not is_finite_number(area) or area < 0:
             raise StageError(f"{src}: {rec_name}: area {area!r} is not a non-negative number")
         rec["area"] = float(area)
         anns.append(rec)
@@ -235,7 +215,7 @@ def _prepare_dt(detections: list, iou_type: str, images: dict, cat_ids: set, src
                                 ("is not an image of the ground truth", "is not a category of the ground truth"),
                                 "every detection's {} must be in the ground truth")
         score = d.get("score")
-        if not _is_num(score):
+        if not is_finite_number(score):
             raise StageError(f"{src}: detection {i}: score {score!r} is not a finite number")
         rec = {"id": i + 1, "image_id": img["id"], "category_id": int(d["category_id"]), "score": float(score), "iscrowd": 0}
         if iou_type == "bbox":
@@ -248,7 +228,7 @@ def _prepare_dt(detections: list, iou_type: str, images: dict, cat_ids: set, src
             if segm is None or (why := _check_segm(segm, img)) is not None:
                 raise StageError(f"{src}: detection {i}: {why or 'no segmentation'} "
                                  f"(rule: segm detections carry a mask of their image's size)")
-            rle = _to_rle(segm, img["height"], img["width"], mask_utils)
+            rle = to_rle(segm, img["height"], img["width"])
             rec["segmentation"] = rle
             if "bbox" in d:
                 if (why := _check_box(d["bbox"])) is not None:

@@ -20,8 +20,9 @@ from PIL import Image, ImageDraw
 from pycocotools import mask as mask_utils
 
 from detpipe.errors import StageError
-from detpipe.data import coco as coco_module
-from detpipe.data.coco import RULES, check_coco, load_json, read_coco
+from detpipe.data import coco_reader
+from detpipe.data.coco_reader import load_json, read_coco
+from detpipe.data.coco_schema import RULES, check_coco
 from detpipe.data.convert import SCHEMA, convert, inspect_image, split_ids
 from detpipe.data.imageio import decode_rgb
 from detpipe.params import Convert
@@ -746,7 +747,7 @@ def test_cli(tmp_path, coco):
 def _stage(tmp_path: Path, data: dict | bytes, *, val: dict | None = None, **convert_params):
     """Run ``python -m stages.convert`` in a project folder holding ``data`` (a COCO dict, or raw bytes of the
     annotation file) over COCO128 images and params.yaml with ``convert_params``; returns the process."""
-    import yaml
+    from support.pipeline import write_params
 
     work = tmp_path / "work"
     (work / "data").mkdir(parents=True)
@@ -757,9 +758,7 @@ def _stage(tmp_path: Path, data: dict | bytes, *, val: dict | None = None, **con
     if val is not None:
         write_raw(work / "data", val, images="val2017", ann="annotations/instances_val2017.json")
         convert_params.update(val_annotations="annotations/instances_val2017.json", val_images="val2017")
-    p = yaml.safe_load((REPO / "params.yaml").read_text())
-    p["convert"].update(workers=1, **convert_params)
-    (work / "params.yaml").write_text(yaml.safe_dump(p))
+    write_params(work, {"convert": {"workers": 1, **convert_params}}, tiny=False)
     env = dict(os.environ, PYTHONPATH=str(REPO))
     return subprocess.run([sys.executable, "-m", "stages.convert"], cwd=work, env=env, capture_output=True,
                           text=True, timeout=120)
@@ -1042,13 +1041,13 @@ def test_streaming_reader_agrees_with_the_whole_parse(tmp_path, coco, monkeypatc
     kinds = set()
     for k in range(250):
         path.write_bytes(fixed[k] if k < len(fixed) else _mutated(text, rng))
-        monkeypatch.setattr(coco_module, "CHUNK_BYTES", int(rng.choice([16, 100, 1000, 8 << 20])))
+        monkeypatch.setattr(coco_reader, "CHUNK_BYTES", int(rng.choice([16, 100, 1000, 8 << 20])))
         got = outcome(streamed)
         assert got == outcome(whole), path.read_bytes()
         kinds.add(got[0] if got[0] == "error" else f"ok fast={got[1]}")
     assert kinds == {"error", "ok fast=True", "ok fast=False"}
     for size in (16, 100, 1000, 8 << 20):       # valid files are read record by record, not parsed whole
-        monkeypatch.setattr(coco_module, "CHUNK_BYTES", size)
+        monkeypatch.setattr(coco_reader, "CHUNK_BYTES", size)
         for k, fast in ((0, True), (1, False)):
             path.write_bytes(fixed[k])
             cols = read_coco(path, tmp_path)

@@ -41,6 +41,17 @@ def test_launcher_and_workers_import_nothing_from_each_other():
             crossed = sorted(m for m in code_closure(f) if m.startswith(forbidden.replace(".", "/") + "/"))
             assert not crossed, f"{f.relative_to(ROOT)} imports {forbidden} ({crossed})"
 
+def test_train_and_evaluate_do_not_depend_on_the_coco_reader():
+    """The convert stage's COCO reader (streaming JSON, index, split, annotation cleaning) is convert's alone: train
+    and evaluate share only the schema and rules (`detpipe/data/coco_schema.py`, through the evaluation's COCO
+    metrics), so editing the reader reruns neither of them."""
+    for name in ("train", "evaluate"):
+        closure = code_closure(ROOT / "stages" / f"{name}.py")
+        assert "detpipe/data/coco_reader.py" not in closure, f"stages/{name}.py depends on the COCO reader"
+        assert "detpipe/data/coco_schema.py" in closure, f"stages/{name}.py no longer reaches the COCO schema"
+    assert "detpipe/data/coco_reader.py" in code_closure(ROOT / "stages" / "convert.py")
+
+
 def test_dvc_yaml_code_deps_follow_the_imports():
     pipeline = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
     for name in STAGES:
