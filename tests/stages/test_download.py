@@ -27,6 +27,7 @@ from detpipe.data.fetch import extract, fetch, http_fetch
 from detpipe.files import folder_sha256
 from detpipe.data.download import download, download_parts, download_raw
 from detpipe.params import Download, DownloadPart, load
+from support.pipeline import write_params
 from support.procs import run
 
 REPO = Path(__file__).resolve().parents[2]
@@ -407,9 +408,7 @@ def _workdir(tmp_path: Path, **download_params) -> Path:
     work = tmp_path / "work"
     (work / "data").mkdir(parents=True)
     (work / "data" / "coco128").symlink_to(COCO, target_is_directory=True)
-    params = yaml.safe_load((REPO / "params.yaml").read_text())
-    params["download"].update(download_params)
-    (work / "params.yaml").write_text(yaml.safe_dump(params))
+    write_params(work, {"download": download_params}, tiny=False)
     return work
 
 

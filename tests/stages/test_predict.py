@@ -24,7 +24,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import yaml
 from PIL import Image
 from torchvision.ops import box_iou
 
@@ -35,7 +34,7 @@ from detpipe.errors import StageError
 from detpipe.export.exporter import DetectionExport, parity, split_outputs
 from detpipe.models import load_model
 from detpipe.predict import data_meta, predict, prepare
-from support.pipeline import COCO128, LEARNS_IMAGE_IDS, stage_cli
+from support.pipeline import COCO128, LEARNS_IMAGE_IDS, set_params, stage_cli
 from support.procs import run
 
 # The fitted images the model is surest of: a dog (category 18) scored ~1.0 and a giraffe (25) ~0.95, both at
@@ -51,9 +50,7 @@ def exported(fitted_workdir, tmp_path_factory) -> Path:
     ``models/model.onnx`` next to ``models/model.pt``."""
     work = tmp_path_factory.mktemp("predict") / "w"
     shutil.copytree(fitted_workdir, work)
-    params = yaml.safe_load((work / "params.yaml").read_text())
-    params["export"]["torch_export"] = False
-    (work / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    set_params(work, {"export": {"torch_export": False}})
     stage_cli("export", work)
     assert (work / "models" / "model.onnx").is_file()
     return work

@@ -16,12 +16,9 @@ import pytest
 import torch
 import yaml
 
-from support.pipeline import assert_same_training_state, kill9_training_after, stage_cli, stage_in_background, write_params
+from support.pipeline import (assert_same_training_state, checkpoint_iterations, checkpoints, kill9_training_after,
+                              stage_cli, stage_in_background, write_params)
 from support.procs import stage_env
-
-
-def _ckpts(work: Path) -> list[Path]:
-    return sorted((work / "checkpoints").glob("ckpt-*.pt"))
 
 
 def test_train_outputs(trained_workdir):
@@ -35,7 +32,7 @@ def test_train_outputs(trained_workdir):
     assert model["config"]["name"] == params["model"]
     assert model["config"]["num_classes"] == meta["num_classes"] == 81
     # keep_last checkpoints, the newest at the final iteration
-    ckpts = _ckpts(work)
+    ckpts = checkpoints(work)
     assert [p.name for p in ckpts][-1] == f"ckpt-{max_iter:07d}.pt"
     assert len(ckpts) <= params["keep_last"]
     last = torch.load(ckpts[-1], weights_only=True)
@@ -89,12 +86,12 @@ def test_kill9_and_sigterm_resume_is_bit_identical(cached_workdir, tmp_path):
     killed = _copy(cached_workdir, tmp_path / "killed", overrides)
     with stage_in_background("train", straight):      # the uninterrupted run, on the other core
         kill9_training_after(killed)
-        interrupted_at = len(_ckpts(killed))   # its workers are gone too: no checkpoint comes after this
+        interrupted_at = len(checkpoints(killed))   # its workers are gone too: no checkpoint comes after this
         # resume, then SIGTERM once two progress lines were logged and a checkpoint past the resumed one exists
         status, stderr = _sigterm_when(killed, tmp_path / "sigterm.log",
                                        lambda text: len(_PROGRESS.findall(text)) >= 2
-                                       and int(_ckpts(killed)[-1].name[5:12]) > interrupted_at)
-    final_iter = int(_ckpts(straight)[-1].name[5:12])
+                                       and checkpoint_iterations(killed)[-1] > interrupted_at)
+    final_iter = checkpoint_iterations(straight)[-1]
     assert interrupted_at < final_iter, "the kill came too late to test anything"
     assert "resuming from" in stderr
     assert status == 128 + signal.SIGTERM, stderr[-3000:]
@@ -104,7 +101,7 @@ def test_kill9_and_sigterm_resume_is_bit_identical(cached_workdir, tmp_path):
     m = re.fullmatch(r"error: interrupted by SIGTERM at iteration (\d+); checkpoint (ckpt-(\d{7})\.pt) kept",
                      errors[0])
     assert m, errors[0]
-    newest = _ckpts(killed)[-1]
+    newest = checkpoints(killed)[-1]
     assert newest.name == m.group(2) and int(m.group(1)) >= int(m.group(3)) > interrupted_at
     assert torch.load(newest, weights_only=True)["iter"] == int(m.group(3)) < final_iter
     assert not list((killed / "checkpoints").glob(".ckpt-*"))  # no half-written file left
@@ -121,7 +118,7 @@ def test_kill9_and_sigterm_resume_is_bit_identical(cached_workdir, tmp_path):
     resumed = stage_cli("train", killed)
     assert f"resuming from checkpoints/{m.group(2)}" in resumed.stderr
 
-    assert assert_same_training_state(_ckpts(straight)[-1], _ckpts(killed)[-1]) == final_iter
+    assert assert_same_training_state(checkpoints(straight)[-1], checkpoints(killed)[-1]) == final_iter
     # the resumed run's curves have one row per iteration, no gap and no duplicate
     rows = list(csv.DictReader(open(killed / "dvclive/plots/metrics/train/loss.tsv"), delimiter="\t"))
     assert [int(r["step"]) for r in rows] == list(range(1, final_iter + 1))
@@ -132,11 +129,11 @@ def test_resume_rules(trained_workdir, tmp_path):
     shutil.copytree(trained_workdir / "checkpoints", work / "checkpoints")
     # same params: resumes at the end, nothing left to do (no extra epoch, the same model)
     before = torch.load(trained_workdir / "models/model.pt", weights_only=True)
-    ckpts = [p.name for p in _ckpts(work)]
+    ckpts = [p.name for p in checkpoints(work)]
     same = stage_cli("train", work)
     assert "resuming from" in same.stderr
     after = torch.load(work / "models/model.pt", weights_only=True)
-    assert [p.name for p in _ckpts(work)] == ckpts and after["iters"] == before["iters"]
+    assert [p.name for p in checkpoints(work)] == ckpts and after["iters"] == before["iters"]
     assert all(torch.equal(after["model"][k], v) for k, v in before["model"].items())
     # other params + must: a clear one-line error, exit 2
     write_params(work, {"train": {"lr": 0.02, "resume": "must"}})
@@ -147,7 +144,7 @@ def test_resume_rules(trained_workdir, tmp_path):
     write_params(work, {"train": {"lr": 0.02, "epochs": 1}})
     fresh = stage_cli("train", work)
     assert "starting fresh" in fresh.stderr and "other training params" in fresh.stderr
-    assert [p.name for p in _ckpts(work)] == ["ckpt-0000002.pt"]
+    assert [p.name for p in checkpoints(work)] == ["ckpt-0000002.pt"]
 
 
 def test_unknown_model_is_one_line_error(cached_workdir, tmp_path):

@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from support.pipeline import stage_cli, write_params
+from support.pipeline import checkpoints, stage_cli, write_params
 from detpipe.engine.train_loop import HookBase
 from detpipe.errors import StageError
 from detpipe.data.dataset import CachedDetectionDataset, collate
@@ -38,7 +38,7 @@ def test_amp_accumulate_ema_eval(cached_workdir, tmp_path):
     lrs = [float(l.split("\t")[-1]) for l in open(work / "dvclive/plots/metrics/train/lr.tsv").read().splitlines()[1:]]
     assert lrs[1] == pytest.approx(0.01 * 4 / 8)
     # the EMA weights (decay 0.5 over 2 steps) differ from the raw weights in the last checkpoint
-    last = torch.load(sorted((work / "checkpoints").glob("ckpt-*.pt"))[-1], weights_only=True)
+    last = torch.load(checkpoints(work)[-1], weights_only=True)
     assert any(not torch.equal(model["model"][k], last["model"][k]) for k in model["model"]
                if model["model"][k].is_floating_point())
 

@@ -1,4 +1,7 @@
-"""Pipeline working copies for tests: tiny params, COCO128 subsets, the stages' own CLIs, trained models."""
+"""Pipeline working copies for tests: tiny params, COCO128 subsets, the stages' own CLIs, trained models.
+
+A working directory's ``params.yaml`` is written (`write_params`) and changed (`set_params`) here, and its
+``checkpoints/`` read through the trainer's own naming (`checkpoints`, `checkpoint_iterations`, `checkpoint`)."""
 from __future__ import annotations
 
 import contextlib
@@ -32,15 +35,46 @@ def stage_cli(name: str, cwd: Path, check: bool = True, timeout: float = 600) ->
     return run([sys.executable, "-m", f"stages.{name}"], cwd, check=check, timeout=timeout)
 
 
-def write_params(workdir: Path, overrides: dict | None = None) -> dict:
-    """Write ``params.yaml`` into ``workdir``: the repository's params with ``TINY_PARAMS`` and ``overrides``
-    merged per section. Returns the params dict."""
-    params = yaml.safe_load((REPO / "params.yaml").read_text())
-    for source in (TINY_PARAMS, overrides or {}):
-        for section, values in source.items():
+def write_params(workdir: Path, overrides: dict | None = None, tiny: bool = True) -> dict:
+    """Write ``params.yaml`` into ``workdir``: the repository's params with ``TINY_PARAMS`` (unless ``tiny`` is
+    false) and ``overrides`` merged per section. Returns the params dict."""
+    return _merge_params(workdir, yaml.safe_load((REPO / "params.yaml").read_text()),
+                         TINY_PARAMS if tiny else {}, overrides or {})
+
+
+def set_params(workdir: Path, overrides: dict) -> dict:
+    """Update ``workdir/params.yaml`` in place: ``overrides`` merged per section into what the file holds (the
+    other keys as they are). Returns the params dict."""
+    return _merge_params(workdir, yaml.safe_load((workdir / "params.yaml").read_text()), overrides)
+
+
+def _merge_params(workdir: Path, params: dict, *layers: dict) -> dict:
+    for layer in layers:
+        for section, values in layer.items():
             params[section].update(values)
     (workdir / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     return params
+
+
+def checkpoints(workdir: Path) -> list[Path]:
+    """``workdir/checkpoints/ckpt-NNNNNNN.pt``, oldest iteration first, as the trainer lists them
+    (`detpipe.engine.checkpoints.list_checkpoints`; [] without the folder)."""
+    from detpipe.engine.checkpoints import list_checkpoints
+
+    return list_checkpoints(workdir / "checkpoints")
+
+
+def checkpoint_iterations(workdir: Path) -> list[int]:
+    """The iterations of `checkpoints` (``ckpt-0000004.pt`` -> 4), oldest first."""
+    return [int(p.stem.rsplit("-", 1)[1]) for p in checkpoints(workdir)]
+
+
+def checkpoint(workdir: Path, iteration: int) -> Path:
+    """``workdir/checkpoints/ckpt-NNNNNNN.pt`` of ``iteration`` (`detpipe.engine.checkpoints.checkpoint_path`),
+    whether it exists or not."""
+    from detpipe.engine.checkpoints import checkpoint_path
+
+    return checkpoint_path(workdir / "checkpoints", iteration)
 
 
 def make_coco_subset(dest: Path, n_images: int = 12) -> dict:
@@ -168,10 +202,10 @@ def stage_in_background(name: str, cwd: Path, timeout: float = 600) -> Iterator[
         assert proc.returncode == 0, f"stages.{name} in {cwd} failed ({proc.returncode}):\n{log.read()[-3000:]}"
 
 
-def kill9_training_after(work: Path, checkpoint: str = "ckpt-0000002.pt", timeout_s: float = 300,
-                         die_s: float = 30) -> None:
-    """Run ``python -m stages.train`` in ``work`` and ``kill -9`` it as soon as ``checkpoints/<checkpoint>``
-    exists (asserting training was still running then); return once every process it had started is gone too.
+def kill9_training_after(work: Path, iteration: int = 2, timeout_s: float = 300, die_s: float = 30) -> None:
+    """Run ``python -m stages.train`` in ``work`` and ``kill -9`` it as soon as the checkpoint of ``iteration``
+    exists (`checkpoint`; asserting training was still running then); return once every process it had started
+    is gone too.
 
     Its torchrun workers (which write the checkpoints) die with it (PR_SET_PDEATHSIG), a moment after it: the
     callers read ``checkpoints/`` as the kill left it, so this waits for those very processes (at most ``die_s``
@@ -184,10 +218,10 @@ def kill9_training_after(work: Path, checkpoint: str = "ckpt-0000002.pt", timeou
     proc = subprocess.Popen([sys.executable, "-m", "stages.train"], cwd=work, env=stage_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + timeout_s
-    while not (work / "checkpoints" / checkpoint).exists():
+    while not checkpoint(work, iteration).exists():
         assert proc.poll() is None and time.time() < deadline, "training ended before it could be killed"
         time.sleep(0.05)
-    tree = psutil.Process(proc.pid).children(recursive=True)   # the workers exist: one of them wrote `checkpoint`
+    tree = psutil.Process(proc.pid).children(recursive=True)   # the workers exist: one of them wrote the checkpoint
     proc.send_signal(signal.SIGKILL)
     proc.wait()
 

@@ -7,9 +7,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-import yaml
-
-from support.pipeline import make_coco_subset, write_params
+from support.pipeline import make_coco_subset, set_params, write_params
 from support.procs import REPO, run
 
 
@@ -61,10 +59,7 @@ def flow_repo(reproduced_repo: Path, dest: Path, train: dict | None = None) -> P
     params and an ONNX-only export (``export.torch_export: false``: torch.export is most of the stage's time, and
     tests/stages/test_export.py checks it), committed: a run of it skips download, convert and augment."""
     work = clone_with_cache(reproduced_repo, dest)
-    params = yaml.safe_load((work / "params.yaml").read_text())
-    params["train"].update(train or {})
-    params["export"]["torch_export"] = False
-    (work / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    set_params(work, {"train": train or {}, "export": {"torch_export": False}})
     run(["git", "commit", "-qam", "flow test params"], work)
     return work
 

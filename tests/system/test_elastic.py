@@ -16,7 +16,7 @@ import psutil
 import pytest
 import torch
 
-from support.pipeline import assert_same_training_state, elastic_workdir, write_params
+from support.pipeline import assert_same_training_state, checkpoint, checkpoints, elastic_workdir, write_params
 from support.procs import stage_env
 from support.procs import free_port
 
@@ -24,10 +24,6 @@ from support.procs import free_port
 def _start(work: Path, log: Path, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "stages.train"], cwd=work, env={**stage_env(), **(env or {})},
                             stdout=open(log, "ab"), stderr=subprocess.STDOUT)
-
-
-def _ckpts(work: Path) -> list[Path]:
-    return sorted((work / "checkpoints").glob("ckpt-*.pt"))
 
 
 def _wait_for(path: Path, procs: list[subprocess.Popen], timeout: float = 400) -> None:
@@ -58,7 +54,7 @@ def _finish(procs: list[subprocess.Popen], logs: list[Path], timeout: float = 60
 
 
 def _assert_same_final_state(a_dir: Path, b_dir: Path) -> int:
-    return assert_same_training_state(_ckpts(a_dir)[-1], _ckpts(b_dir)[-1])
+    return assert_same_training_state(checkpoints(a_dir)[-1], checkpoints(b_dir)[-1])
 
 
 def _listening(pid: int) -> list[str]:
@@ -105,7 +101,7 @@ def test_killed_worker_restarts_group_bit_identical(cached_workdir, tmp_path, tw
     work = elastic_workdir(cached_workdir, tmp_path / "killed", {"nproc_per_node": 2})
     log = tmp_path / "killed.log"
     agent = _start(work, log)
-    _wait_for(work / "checkpoints/ckpt-0000001.pt", [agent])  # iteration 1 = epoch 0, position 1 of 2
+    _wait_for(checkpoint(work, 1), [agent])  # iteration 1 = epoch 0, position 1 of 2
     assert _listening(agent.pid) == ["127.0.0.1"], _listening(agent.pid)
     victim = _workers(agent.pid)[1]
     os.kill(victim.pid, signal.SIGKILL)
@@ -132,7 +128,7 @@ def test_killed_node_rejoins_bit_identical(cached_workdir, tmp_path, two_rank_wo
     node0 = _start(work, logs[0])
     _wait_for_listener(port, node0)  # node 0's agent hosts the rendezvous store
     node1 = _start(work, logs[1])
-    _wait_for(work / "checkpoints/ckpt-0000001.pt", [node0, node1])
+    _wait_for(checkpoint(work, 1), [node0, node1])
     os.kill(node1.pid, signal.SIGKILL)
     node1.wait()
     again = _start(work, logs[2])

@@ -23,6 +23,7 @@ import psutil
 import pytest
 
 from support import prebuild
+from support.pipeline import checkpoint_iterations
 from support.prefect import ZOMBIE_AFTER_S, Prefect, run_id
 from support.procs import REPO, run as sh, stage_env, stop_group
 from support.repos import flow_repo, snapshot
@@ -205,17 +206,13 @@ def _train_launcher(ws: Path) -> psutil.Process | None:
     return roots[0] if roots else None
 
 
-def _checkpoints(ws: Path) -> list[int]:
-    return sorted(int(p.stem.split("-")[1]) for p in (ws / "checkpoints").glob("ckpt-*.pt"))
-
-
 def _wait_checkpoint(ws: Path, after: int, run: subprocess.Popen, timeout: float = 300) -> int:
     """Wait until a checkpoint of an iteration > ``after`` exists and the train stage is running; return the
     newest checkpoint's iteration."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert run.poll() is None, run.stdout.read()[-4000:]
-        ckpts = _checkpoints(ws) if (ws / "checkpoints").is_dir() else []
+        ckpts = checkpoint_iterations(ws)
         if ckpts and ckpts[-1] > after and _train_launcher(ws) is not None:
             return ckpts[-1]
         time.sleep(0.05)
@@ -271,12 +268,12 @@ def _killed_run(factory) -> dict:
         ws = _workspace(repo, run)
         # the workspace starts with the reproduced run's checkpoints (a `persist: true` output, checked out): wait
         # for one of this run's training, past them
-        first = _wait_checkpoint(ws, max(_checkpoints(repo), default=0), run)
+        first = _wait_checkpoint(ws, max(checkpoint_iterations(repo), default=0), run)
         launcher = _train_launcher(ws)
         tree = [launcher, *launcher.children(recursive=True)]
         launcher.kill()
         psutil.wait_procs(tree, timeout=30)
-        first = _checkpoints(ws)[-1]
+        first = checkpoint_iterations(ws)[-1]
         _wait_checkpoint(ws, first, run)  # in the train task's retry
         # the flow process dies with serve: first let it ship (batched every 0.5 s) the retry's log line that
         # test_killed_serve_crashes_run_and_retry_resumes reads from the server - wait for that very line there
@@ -291,7 +288,7 @@ def _killed_run(factory) -> dict:
         killed_at = time.monotonic()
         left = _still_alive(tree, timeout=30)
         left_in_ws = _in(ws)
-        second = _checkpoints(ws)[-1]
+        second = checkpoint_iterations(ws)[-1]
         prefect.serving(CRASH)                           # the retry's serve process
         text = run.communicate(timeout=ZOMBIE_AFTER_S + 300)[0]
         crashed_after = time.monotonic() - killed_at
@@ -348,7 +345,7 @@ def test_cancel_stops_training_and_leaves_workspace_as_it_was(prefect, reproduce
     before = snapshot(repo)
     run = prefect.start_run(repo, {"train.epochs": 50, "train.checkpoint_every": 1}, "cancelled-run")
     ws = _workspace(repo, run)
-    _wait_checkpoint(ws, max(_checkpoints(repo), default=0), run)      # past the checked-out ones
+    _wait_checkpoint(ws, max(checkpoint_iterations(repo), default=0), run)   # past the checked-out ones
     tree = _run_tree(ws)
     out_id = prefect.id_of("cancelled-run")
     prefect.cli("flow-run", "cancel", out_id)

@@ -29,7 +29,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from support.pipeline import assert_same_training_state, elastic_workdir, kill9_training_after, make_coco_subset, stage_cli, write_params
+from support.pipeline import (assert_same_training_state, checkpoint, checkpoint_iterations, checkpoints,
+                              elastic_workdir, kill9_training_after, make_coco_subset, stage_cli, write_params)
 from support.procs import run
 
 DEVICE_TYPE = "cuda"
@@ -67,10 +68,6 @@ def _trainer(work: Path, out: Path, cfg, extra_hooks=()):
 
     return build_trainer(cfg, work / "data/cache", work / "data/arrow/meta.json", out / "checkpoints",
                          str(out / "dvclive"), extra_hooks=extra_hooks)
-
-
-def _ckpts(directory: Path) -> list[Path]:
-    return sorted(directory.glob("ckpt-*.pt"))
 
 
 def _load(path: Path) -> dict:
@@ -135,22 +132,22 @@ def test_amp_trains_and_resumes(cached_workdir, tmp_path, amp):
         "no optimizer step was applied in 8 iterations"
     assert trainer.scaler.is_enabled() == (amp == "fp16")
 
-    ckpt_dir = tmp_path / "straight" / "checkpoints"
-    assert [p.name for p in _ckpts(ckpt_dir)] == [f"ckpt-{i:07d}.pt" for i in range(1, 9)]
-    mid = _load(ckpt_dir / "ckpt-0000004.pt")
+    straight = tmp_path / "straight"
+    assert [p.name for p in checkpoints(straight)] == [f"ckpt-{i:07d}.pt" for i in range(1, 9)]
+    mid = _load(checkpoint(straight, 4))
     if amp == "fp16":
         assert set(mid["scaler"]) >= {"scale", "growth_factor", "backoff_factor", "growth_interval",
                                       "_growth_tracker"}, mid["scaler"]
         assert math.isfinite(mid["scaler"]["scale"]) and 0 < mid["scaler"]["scale"] <= 2.0 ** 16
-        assert _load(ckpt_dir / "ckpt-0000008.pt")["scaler"] == trainer.scaler.state_dict()
+        assert _load(checkpoint(straight, 8))["scaler"] == trainer.scaler.state_dict()
     else:
         assert mid["scaler"] == {}
 
     # resume: only the checkpoints up to iteration 4 are left, as after an interruption there
-    for p in _ckpts(ckpt_dir)[4:]:
+    for p in checkpoints(straight)[4:]:
         p.unlink()
     resumed = _trainer(cached_workdir, tmp_path / "resumed", cfg)
-    state = find_resume_state("must", resumed.fingerprint, ckpt_dir)
+    state = find_resume_state("must", resumed.fingerprint, straight / "checkpoints")
     assert state["iter"] == 4
     resumed.load_checkpoint_state(state)
     assert resumed.scaler.state_dict() == mid["scaler"]
@@ -307,7 +304,7 @@ def test_channels_last_and_compile(cached_workdir, tmp_path, option):
         assert trainer.model is not trainer.module and hasattr(trainer.model, "_orig_mod")
         assert counters["stats"]["unique_graphs"] > 0, dict(counters["stats"])
 
-    ckpt = _load(_ckpts(tmp_path / "checkpoints")[-1])
+    ckpt = _load(checkpoints(tmp_path)[-1])
     assert ckpt["iter"] == 4 and not any(k.startswith("_orig_mod.") for k in ckpt["model"])
     model = build_from_config(trainer.config)
     model.load_state_dict(ckpt["model"])  # strict
@@ -338,14 +335,13 @@ def test_deterministic_exact_resume(cached_workdir, tmp_path, monkeypatch):
     killed = elastic_workdir(cached_workdir, tmp_path / "killed", {**train, "batch_size": 4})
     first = stage_cli("train", straight)
     assert re.search(rf"rank 0/1 on {_device(0)}: ", first.stderr), first.stderr[-3000:]
-    kill9_training_after(killed, "ckpt-0000002.pt")   # returns once the worker is gone too
-    interrupted_at = int(_ckpts(killed / "checkpoints")[-1].name[5:12])
-    final_iter = int(_ckpts(straight / "checkpoints")[-1].name[5:12])
+    kill9_training_after(killed, 2)   # returns once the worker is gone too
+    interrupted_at = checkpoint_iterations(killed)[-1]
+    final_iter = checkpoint_iterations(straight)[-1]
     assert final_iter == 20 and 2 <= interrupted_at < final_iter, (interrupted_at, final_iter)
     resumed = stage_cli("train", killed)
     assert f"resuming from checkpoints/ckpt-{interrupted_at:07d}.pt" in resumed.stderr, resumed.stderr[-3000:]
 
-    assert assert_same_training_state(_ckpts(straight / "checkpoints")[-1],
-                                      _ckpts(killed / "checkpoints")[-1]) == final_iter
+    assert assert_same_training_state(checkpoints(straight)[-1], checkpoints(killed)[-1]) == final_iter
     ma, mb = _load(straight / "models/model.pt"), _load(killed / "models/model.pt")
     assert all(torch.equal(v, mb["model"][k]) for k, v in ma["model"].items())

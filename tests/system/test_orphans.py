@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from support.pipeline import write_params
+from support.pipeline import checkpoints, write_params
 from support.procs import stage_env
 
 # Long enough that a surviving worker would still be training (and writing checkpoints) when the test looks.
@@ -53,14 +53,10 @@ def _importing_torch(workers: dict[int, psutil.Process]) -> bool:
     return False
 
 
-def _checkpoints(work: Path) -> list[Path]:
-    return sorted((work / "checkpoints").glob("ckpt-*.pt"))
-
-
 MOMENTS = {  # when to kill: a predicate of (workdir, workers found so far)
     "started": lambda work, workers: bool(workers),                # exec'd, before its imports
     "importing": lambda work, workers: _importing_torch(workers),  # mid-import (torch)
-    "training": lambda work, workers: bool(_checkpoints(work)),    # after its imports: first checkpoint written
+    "training": lambda work, workers: bool(checkpoints(work)),    # after its imports: first checkpoint written
 }
 
 

@@ -8,6 +8,7 @@ import math
 
 import pytest
 
+from support.pipeline import checkpoints
 from support.procs import run
 from support.repos import clone_with_cache
 
@@ -20,7 +21,7 @@ def test_dvc_repro_end_to_end(reproduced_repo, tmp_path):
                  "models/export_report.json", "dvclive/metrics.json", "plots/pr_curve.json"):
         assert (work / path).is_file(), path
     assert list((work / "data/arrow/train").glob("*.arrow")) and list((work / "data/cache/val").glob("*.arrow"))
-    assert list((work / "checkpoints").glob("ckpt-*.pt"))
+    assert checkpoints(work)
     metrics = json.loads((work / "metrics/eval.json").read_text())
     assert len(metrics["bbox"]) == 12 and all(math.isfinite(v) for v in metrics["bbox"].values())
     report = json.loads((work / "models/export_report.json").read_text())

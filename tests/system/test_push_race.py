@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from detpipe.engine.checkpoints import checkpoint_path, list_checkpoints
 from detpipe.ops import remotes as rm
 from detpipe.ops import workspace
 from support.procs import run as run_cmd
@@ -41,8 +42,8 @@ def payload(name: str) -> bytes:
 
 
 def ckpt_names(directory: Path) -> list[str]:
-    """Checkpoint names in ``directory``, oldest first."""
-    return sorted(p.name for p in directory.glob("ckpt-*.pt"))
+    """Checkpoint names in ``directory``, oldest first (`detpipe.engine.checkpoints.list_checkpoints`)."""
+    return [p.name for p in list_checkpoints(directory)]
 
 
 class Training:
@@ -62,7 +63,7 @@ class Training:
     def step(self) -> str:
         """Write the next checkpoint, prune the older ones; its name."""
         self.iter += 1
-        name = f"ckpt-{self.iter:07d}.pt"
+        name = checkpoint_path(self.directory, self.iter).name
         tmp = self.directory / f".{name}.tmp-{os.getpid()}"
         tmp.write_bytes(payload(name))
         os.replace(tmp, self.directory / name)
@@ -263,7 +264,7 @@ Path("data/images.txt").write_text("a b c\\n")
 """
 
 
-class Team:
+class PushRaceTeam:
     def __init__(self, ws: Path, origin: Path, run: rm.Run):
         self.ws, self.origin, self.run = ws, origin, run
 
@@ -282,7 +283,7 @@ class Team:
 
 
 @pytest.fixture(scope="module")
-def team(tmp_path_factory):
+def push_race_team(tmp_path_factory):
     """The workspace of a run (a git+DVC repository whose ``prepare`` stage ran), its remotes and a `Run`."""
     tmp = tmp_path_factory.mktemp("race")
     with pytest.MonkeyPatch.context() as mp:
@@ -311,37 +312,38 @@ def team(tmp_path_factory):
         run_cmd(["git", "commit", "-qm", "baseline"], ws)
         flow_run = rm.Run(rm.check(ws), "race", "run-0123")
         assert flow_run.remotes.dvc_url == str(storage)
-        yield Team(ws, origin, flow_run)
+        yield PushRaceTeam(ws, origin, flow_run)
 
 
-def test_push_partial_while_training_prunes(team):
+def test_push_partial_while_training_prunes(push_race_team):
     """Three pushes while checkpoints appear every ~2 ms and all but the newest are deleted: each pushes a
     commit whose dvc.lock records a non-empty checkpoints/ that is on the DVC remote, with the newest one
     linked named in its message; never 'finished stages'."""
-    run = team.run_named("race-live")
+    run = push_race_team.run_named("race-live")
     pushed = []
-    with Training(team.fresh_checkpoints()) as training:
+    with Training(push_race_team.fresh_checkpoints()) as training:
         for _ in range(3):
-            ref = rm.push_partial(team.ws, run, log)
-            assert ref == team.ref(run)
-            pushed.append(remote_sha(team.origin, ref))
+            ref = rm.push_partial(push_race_team.ws, run, log)
+            assert ref == push_race_team.ref(run)
+            pushed.append(remote_sha(push_race_team.origin, ref))
         written = training.written
     assert written > 100, f"the training thread wrote only {written} checkpoints during the pushes"
     assert len(set(pushed)) == 3
     named = []
     for sha in pushed:
-        assert remote_problems(team.origin, sha, team.run.remotes) == []
-        named.append(re.search(r"up to (ckpt-\d{7}\.pt)", git(team.origin, "log", "-1", "--format=%B", sha))[1])
+        assert remote_problems(push_race_team.origin, sha, push_race_team.run.remotes) == []
+        message = git(push_race_team.origin, "log", "-1", "--format=%B", sha)
+        named.append(re.search(r"up to (ckpt-\d{7}\.pt)", message)[1])
     assert named == sorted(named) and len(set(named)) == 3, named
-    assert not (team.ws.parent / "ws.push").exists()
+    assert not (push_race_team.ws.parent / "ws.push").exists()
 
 
-def test_push_partial_links_after_the_worktree_exists(team, monkeypatch):
+def test_push_partial_links_after_the_worktree_exists(push_race_team, monkeypatch):
     """The window the bug lived in, made deterministic: while the snapshot worktree is created, the training
     writes a newer checkpoint and deletes every one that existed before. The push takes the newer one (the
     old code linked none and pushed an empty checkpoints/ as 'finished stages')."""
-    run = team.run_named("race-window")
-    training = Training(team.fresh_checkpoints())
+    run = push_race_team.run_named("race-window")
+    training = Training(push_race_team.fresh_checkpoints())
     first = training.step()
     real = workspace.add_worktree
     during = []
@@ -352,52 +354,52 @@ def test_push_partial_links_after_the_worktree_exists(team, monkeypatch):
         assert first not in ckpt_names(training.directory)
 
     monkeypatch.setattr(workspace, "add_worktree", add_worktree)
-    ref = rm.push_partial(team.ws, run, log)
-    sha = remote_sha(team.origin, ref)
-    assert remote_problems(team.origin, sha, team.run.remotes) == []
-    assert f"checkpoints up to {during[0]}" in git(team.origin, "log", "-1", "--format=%B", sha)
+    ref = rm.push_partial(push_race_team.ws, run, log)
+    sha = remote_sha(push_race_team.origin, ref)
+    assert remote_problems(push_race_team.origin, sha, push_race_team.run.remotes) == []
+    assert f"checkpoints up to {during[0]}" in git(push_race_team.origin, "log", "-1", "--format=%B", sha)
 
 
-def test_all_checkpoints_vanish_nothing_pushed(team, monkeypatch, caplog):
+def test_all_checkpoints_vanish_nothing_pushed(push_race_team, monkeypatch, caplog):
     """Every checkpoint deleted while the worktree is created: `push_partial` raises `CheckpointsVanished` (one
     line naming the folder) and the experiment on the remote stays the earlier, good one; under `keeping` the
     error is logged, the run's own error goes on, and no 'finished stages' push replaces the checkpoints."""
-    run = team.run_named("race-vanish")
-    training = Training(team.fresh_checkpoints())
+    run = push_race_team.run_named("race-vanish")
+    training = Training(push_race_team.fresh_checkpoints())
     training.step()
-    good = remote_sha(team.origin, rm.push_partial(team.ws, run, log))
-    assert remote_problems(team.origin, good, team.run.remotes) == []
+    good = remote_sha(push_race_team.origin, rm.push_partial(push_race_team.ws, run, log))
+    assert remote_problems(push_race_team.origin, good, push_race_team.run.remotes) == []
     training.step()
     real = workspace.add_worktree
 
     def add_worktree(repo, path, rev="HEAD"):
         real(repo, path, rev)
-        for p in training.directory.glob("ckpt-*.pt"):
+        for p in list_checkpoints(training.directory):
             p.unlink()
 
     monkeypatch.setattr(workspace, "add_worktree", add_worktree)
     with pytest.raises(rm.CheckpointsVanished, match=r"checkpoints: every checkpoint file was deleted") as e:
-        rm.push_partial(team.ws, run, log)
-    assert "\n" not in str(e.value) and str(team.ws / "checkpoints") in str(e.value)
-    assert remote_sha(team.origin, team.ref(run)) == good
+        rm.push_partial(push_race_team.ws, run, log)
+    assert "\n" not in str(e.value) and str(push_race_team.ws / "checkpoints") in str(e.value)
+    assert remote_sha(push_race_team.origin, push_race_team.ref(run)) == good
 
     training.step()
     with caplog.at_level(logging.INFO, logger=log.name):
         with pytest.raises(RuntimeError, match="the run's own error"):
-            with rm.keeping(team.ws, run, {"prepare": "ran"}, log):
+            with rm.keeping(push_race_team.ws, run, {"prepare": "ran"}, log):
                 raise RuntimeError("the run's own error")
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert any("could not push the run's checkpoints" in m for m in errors), errors
-    assert remote_sha(team.origin, team.ref(run)) == good
-    assert not (team.ws.parent / "ws.push").exists()
+    assert remote_sha(push_race_team.origin, push_race_team.ref(run)) == good
+    assert not (push_race_team.ws.parent / "ws.push").exists()
 
 
-def test_remote_check_flags_a_push_without_checkpoints(team):
+def test_remote_check_flags_a_push_without_checkpoints(push_race_team):
     """The remote check can fail: a real partial push without checkpoints (``training=False``, the
     'finished stages' commit the bug produced) is flagged."""
-    run = team.run_named("race-no-ckpt")
-    sha = remote_sha(team.origin, rm.push_partial(team.ws, run, log, training=False))
-    problems = remote_problems(team.origin, sha, team.run.remotes)
+    run = push_race_team.run_named("race-no-ckpt")
+    sha = remote_sha(push_race_team.origin, rm.push_partial(push_race_team.ws, run, log, training=False))
+    problems = remote_problems(push_race_team.origin, sha, push_race_team.run.remotes)
     assert any("finished stages" in p for p in problems), problems
     assert any("names no checkpoint" in p for p in problems), problems
     assert any("no checkpoints/ folder" in p for p in problems), problems

@@ -3,7 +3,7 @@ server on 127.0.0.1 (push/pull round trip, `dvc exp push/pull`, resuming an inte
 a push interrupted by a server restart), bounded errors for bad credentials and dead endpoints, credentials never
 in committed files or output, and the train stage reading the augmentation cache straight from `s3://`.
 
-Clone A runs the real pipeline (12 COCO128 images, tiny params) once per module (`team`); the other clones get
+Clone A runs the real pipeline (12 COCO128 images, tiny params) once per module (`s3_team`); the other clones get
 everything through git (a bare repository) and the DVC remote only.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ import pytest
 import torch
 import yaml
 
-from support.pipeline import write_params
+from support.pipeline import checkpoint_iterations, set_params, write_params
 from support.procs import REPO, stage_env
 from support.procs import free_ports, run
 from support.s3server import S3Server, log_tail, stop, weed_binary
@@ -121,7 +121,7 @@ def test_default_local_remote_on_fresh_clone(tmp_path):
 
 
 @dataclass
-class Team:
+class S3Team:
     a: Path                 # clone A: ran the pipeline and pushed
     origin: Path            # bare git repository the clones share
     bucket: str
@@ -131,11 +131,11 @@ class Team:
 
 
 @pytest.fixture(scope="module")
-def team(tmp_path_factory, s3_server, reproduced_repo) -> Team:
+def s3_team(tmp_path_factory, s3_server, reproduced_repo) -> S3Team:
     """Clone A configured as the README says (S3 remote with `endpointurl`, made the default, committed; the
     credentials only in the environment), where `dvc repro` of the whole pipeline has run (a copy of the session's
     ``reproduced_repo``: `dvc repro` finds it up to date), after `git push` and `dvc push`."""
-    work = tmp_path_factory.mktemp("team")
+    work = tmp_path_factory.mktemp("s3_team")
     origin = work / "origin.git"
     run(["git", "init", "-q", "--bare", "-b", "main", str(origin)], work)
     a = clone_with_cache(reproduced_repo, work / "A")
@@ -153,99 +153,93 @@ def team(tmp_path_factory, s3_server, reproduced_repo) -> Team:
     push = run(["dvc", "push"], a, env=env)
     assert re.search(r"\d+ files? pushed", push.stdout), push.stdout
     assert_no_secret(s3_server.secret_key, push.stdout, push.stderr, (a / ".dvc" / "config").read_text())
-    return Team(a=a, origin=origin, bucket=bucket, env=env, secret=s3_server.secret_key, work=work)
+    return S3Team(a=a, origin=origin, bucket=bucket, env=env, secret=s3_server.secret_key, work=work)
 
 
-def clone(team: Team, name: str, branch: str = "main") -> Path:
-    dest = team.work / name
-    run(["git", "clone", "-q", "-b", branch, str(team.origin), str(dest)], team.work)
+def clone(s3_team: S3Team, name: str, branch: str = "main") -> Path:
+    dest = s3_team.work / name
+    run(["git", "clone", "-q", "-b", branch, str(s3_team.origin), str(dest)], s3_team.work)
     return dest
 
 
 @pytest.mark.slow
-def test_s3_round_trip_fresh_clone_is_up_to_date(team):
+def test_s3_round_trip_fresh_clone_is_up_to_date(s3_team):
     """Fresh clone B: `dvc pull` restores every cached output byte for byte, and `dvc repro` has nothing to do."""
-    b = clone(team, "B")
+    b = clone(s3_team, "B")
     tracked = run(["git", "ls-files", "-z"], b).stdout.split("\0")
     for rel in filter(None, tracked):
         if (b / rel).is_file():
-            assert_no_secret(team.secret, (b / rel).read_text(errors="replace"))
-    pull = run(["dvc", "pull"], b, env=team.env)
-    assert_no_secret(team.secret, pull.stdout, pull.stderr)
-    paths = out_paths(team.a)
+            assert_no_secret(s3_team.secret, (b / rel).read_text(errors="replace"))
+    pull = run(["dvc", "pull"], b, env=s3_team.env)
+    assert_no_secret(s3_team.secret, pull.stdout, pull.stderr)
+    paths = out_paths(s3_team.a)
     assert {"data/raw", "data/arrow", "data/cache", "models/model.pt", "checkpoints", "models/model.onnx",
             "models/torch_export"} <= set(paths)
-    expected = file_hashes(team.a, paths)
+    expected = file_hashes(s3_team.a, paths)
     assert file_hashes(b, paths) == expected
     assert any(p.startswith("checkpoints/ckpt-") for p in expected)
     # metrics are `cache: false` outputs: versioned in git with dvc.lock, so the clone has them already
-    assert (b / "metrics" / "eval.json").read_bytes() == (team.a / "metrics" / "eval.json").read_bytes()
-    repro = run(["dvc", "repro"], b, env=team.env)
+    assert (b / "metrics" / "eval.json").read_bytes() == (s3_team.a / "metrics" / "eval.json").read_bytes()
+    repro = run(["dvc", "repro"], b, env=s3_team.env)
     assert "Data and pipelines are up to date." in repro.stdout + repro.stderr
     assert run(["git", "status", "--porcelain"], b).stdout == ""
 
 
 @pytest.mark.slow
-def test_exp_push_and_pull(team):
+def test_exp_push_and_pull(s3_team):
     """An experiment run in clone E, `dvc exp push origin <exp>` (git ref + DVC data), `dvc exp pull` and
     `dvc exp apply` in clone C that has pulled nothing else: same params, metrics and data."""
-    e = clone(team, "E")
-    run(["dvc", "pull"], e, env=team.env)
+    e = clone(s3_team, "E")
+    run(["dvc", "pull"], e, env=s3_team.env)
     exp = run(["dvc", "exp", "run", "-S", "evaluate.score_threshold=0.05", "-S", "export.torch_export=false",
-               "--name", "thr05"], e, env=team.env)      # ONNX only: torch.export is tested in test_export
+               "--name", "thr05"], e, env=s3_team.env)   # ONNX only: torch.export is tested in test_export
     assert "Running stage 'evaluate'" in exp.stdout and "Running stage 'train'" not in exp.stdout
     e_metrics = json.loads((e / "metrics" / "eval.json").read_text())
-    push = run(["dvc", "exp", "push", "origin", "thr05"], e, env=team.env)
-    assert_no_secret(team.secret, push.stdout, push.stderr)
+    push = run(["dvc", "exp", "push", "origin", "thr05"], e, env=s3_team.env)
+    assert_no_secret(s3_team.secret, push.stdout, push.stderr)
 
-    c = clone(team, "C")
+    c = clone(s3_team, "C")
     assert "thr05" not in run(["dvc", "exp", "list", "--name-only"], c).stdout.split()
-    pull = run(["dvc", "exp", "pull", "origin", "thr05"], c, env=team.env)
-    assert_no_secret(team.secret, pull.stdout, pull.stderr)
+    pull = run(["dvc", "exp", "pull", "origin", "thr05"], c, env=s3_team.env)
+    assert_no_secret(s3_team.secret, pull.stdout, pull.stderr)
     assert "thr05" in run(["dvc", "exp", "list", "--name-only"], c).stdout.split()
-    run(["dvc", "exp", "apply", "thr05"], c, env=team.env)
+    run(["dvc", "exp", "apply", "thr05"], c, env=s3_team.env)
     assert yaml.safe_load((c / "params.yaml").read_text())["evaluate"]["score_threshold"] == 0.05
     assert json.loads((c / "metrics" / "eval.json").read_text()) == e_metrics
     paths = out_paths(c)
     assert file_hashes(c, paths) == file_hashes(e, paths)               # the experiment's data came along
 
 
-def checkpoint_iters(ckpt_dir: Path) -> list[int]:
-    return sorted(int(p.stem.split("-")[1]) for p in ckpt_dir.glob("ckpt-*.pt"))
-
-
-def _wait_for_checkpoint(proc: subprocess.Popen, ckpt_dir: Path, after: int, timeout: float) -> None:
-    """Wait until ``ckpt_dir`` has a checkpoint of an iteration greater than ``after``."""
+def _wait_for_checkpoint(proc: subprocess.Popen, work: Path, after: int, timeout: float) -> None:
+    """Wait until ``work/checkpoints`` has a checkpoint of an iteration greater than ``after``."""
     deadline = time.monotonic() + timeout
-    while not any(i > after for i in checkpoint_iters(ckpt_dir)):
+    while not any(i > after for i in checkpoint_iterations(work)):
         assert proc.poll() is None, f"training ended early:\n{proc.stdout.read()[-3000:]}"
         assert time.monotonic() < deadline, f"no checkpoint after iteration {after} in {timeout} s"
         time.sleep(0.1)
 
 
 @pytest.mark.slow
-def test_interrupted_training_resumes_in_another_clone(team):
+def test_interrupted_training_resumes_in_another_clone(s3_team):
     """A's training is killed after a checkpoint; `python -m detpipe.ops.commit_partial train` + `dvc push` share the
     checkpoints; clone B2 pulls them and `dvc repro` resumes where A stopped."""
-    a2 = clone(team, "A2")
-    run(["dvc", "pull"], a2, env=team.env)
+    a2 = clone(s3_team, "A2")
+    run(["dvc", "pull"], a2, env=s3_team.env)
     run(["git", "checkout", "-q", "-b", "long-run"], a2)
-    params = yaml.safe_load((a2 / "params.yaml").read_text())
-    params["train"].update(epochs=4, checkpoint_every=1)
-    (a2 / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    set_params(a2, {"train": {"epochs": 4, "checkpoint_every": 1}})
     run(["git", "commit", "-qam", "longer training"], a2)
 
-    pulled = checkpoint_iters(a2 / "checkpoints")                      # the finished 1-epoch run's (other params)
-    env = {**stage_env(), "DVC_NO_ANALYTICS": "1", **team.env}
+    pulled = checkpoint_iterations(a2)                                      # the finished 1-epoch run's (other params)
+    env = {**stage_env(), "DVC_NO_ANALYTICS": "1", **s3_team.env}
     proc = subprocess.Popen(["dvc", "repro"], cwd=a2, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     try:
-        _wait_for_checkpoint(proc, a2 / "checkpoints", after=max(pulled), timeout=300)
+        _wait_for_checkpoint(proc, a2, after=max(pulled), timeout=300)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)                             # the whole job: dvc, torchrun, workers
         proc.wait()
     assert not (a2 / "models" / "model.pt").exists()
-    newest = max(checkpoint_iters(a2 / "checkpoints"))
+    newest = max(checkpoint_iterations(a2))
     assert max(pulled) < newest < 8
 
     partial = run([sys.executable, "-m", "detpipe.ops.commit_partial", "train"], a2)
@@ -255,14 +249,14 @@ def test_interrupted_training_resumes_in_another_clone(team):
     run(["git", "add", "-A"], a2)
     run(["git", "commit", "-qm", "partial training"], a2)
     run(["git", "push", "-q", "origin", "long-run"], a2)
-    run(["dvc", "push"], a2, env=team.env)
+    run(["dvc", "push"], a2, env=s3_team.env)
     shared = file_hashes(a2, ["checkpoints"])
 
-    b2 = clone(team, "B2", branch="long-run")
-    run(["dvc", "pull", "--allow-missing"], b2, env=team.env)          # model.pt has no hash yet
+    b2 = clone(s3_team, "B2", branch="long-run")
+    run(["dvc", "pull", "--allow-missing"], b2, env=s3_team.env)       # model.pt has no hash yet
     assert file_hashes(b2, ["checkpoints"]) == shared
     assert not (b2 / "models" / "model.pt").exists()
-    repro = run(["dvc", "repro", "train"], b2, env=team.env)
+    repro = run(["dvc", "repro", "train"], b2, env=s3_team.env)
     log = repro.stdout + repro.stderr
     assert f"resuming from checkpoints/ckpt-{newest:07d}.pt (iteration {newest})" in log, log[-3000:]
     assert "wrote models/model.pt after 8 iterations" in log            # 4 epochs x 2 iterations (9 images)
@@ -339,7 +333,7 @@ def restartable_s3(tmp_path):
 
 
 @pytest.mark.slow
-def test_push_interrupted_by_server_restart(team, restartable_s3, tmp_path):
+def test_push_interrupted_by_server_restart(s3_team, restartable_s3, tmp_path):
     """The server stops in the middle of `dvc push`: the push fails with an error; after a restart, pushing
     again completes, and a pull into a fresh clone restores every file (sha256 checked)."""
     s3 = restartable_s3
@@ -348,7 +342,7 @@ def test_push_interrupted_by_server_restart(team, restartable_s3, tmp_path):
     env = {**s3.server.env(), **no_aws_files(tmp_path)}
     # a copy of A with 300 more small files in its DVC cache (`dvc add`, not committed): the upload is under way
     # for seconds, so the server can be stopped while files are still to go, whatever the machine's speed
-    a = clone_with_cache(team.a, tmp_path / "A")
+    a = clone_with_cache(s3_team.a, tmp_path / "A")
     bulk = a / "bulk"
     bulk.mkdir()
     for i in range(300):
@@ -391,7 +385,7 @@ def test_push_interrupted_by_server_restart(team, restartable_s3, tmp_path):
     synced = run(["dvc", "status", "--cloud", "-r", "fault"], a, env=env)
     assert "in sync" in synced.stdout, synced.stdout
 
-    d = clone(team, f"D-{tmp_path.name}")
+    d = clone(s3_team, f"D-{tmp_path.name}")
     run(["dvc", "remote", "add", "--local", "fault", "s3://fault/dvc"], d)
     run(["dvc", "remote", "modify", "--local", "fault", "endpointurl", s3.server.endpoint_url], d)
     pull = run(["dvc", "pull", "-r", "fault"], d, env=env)

@@ -127,7 +127,7 @@ def _procs_of(run: str) -> list[psutil.Process]:
     return found
 
 
-def _team(factory) -> dict:
+def _workers_team(factory) -> dict:
     """The team (see the module docstring) and its runs: A, whose worker is killed after A's first pushed
     checkpoint and which is retried on the other worker; a run of a deployment whose DVC remote does not
     answer (at the same time as A); then B, a run of ``train/team`` with other train params up to training.
@@ -199,60 +199,61 @@ def _team(factory) -> dict:
         stop_group(prefect.procs)
 
 
-prebuild.register("team", _team)
+prebuild.register("workers_team", _workers_team)
 
 
 @pytest.fixture(scope="module")
-def team(s3_server, prefect_api):
-    """`_team`'s runs and what they left (built in the background, or here if it has not started)."""
-    return prebuild.get("team")
+def workers_team(s3_server, prefect_api):
+    """`_workers_team`'s runs and what they left (built in the background, or here if it has not started)."""
+    return prebuild.get("workers_team")
 
 
 @pytest.mark.slow
-def test_killed_worker_retry_resumes_on_the_other_worker(team):
+def test_killed_worker_retry_resumes_on_the_other_worker(workers_team):
     """A's worker is killed (SIGKILL) mid-training after a checkpoint was pushed: every process of the run dies
     with it; the retry runs on the other worker, starts from the pushed partial experiment, skips the finished
     stages, resumes training from the pushed checkpoint and completes."""
-    assert team["training_at_kill"], team["first_attempt"][-4000:]
-    assert team["left"] == [], team["left"]
-    other = ({"w1", "w2"} - {team["killed"]}).pop()
-    assert team["a"] in team["worker_logs"][other], team["worker_logs"][other][-3000:]
-    assert team["final_a"]["state"]["type"] == "COMPLETED", team["logs_a"][-6000:]
-    assert "starting fresh: no checkpoint" in team["first_attempt"]
-    pushed = re.findall(r"pushed checkpoints up to (ckpt-\d+)\.pt", team["first_attempt"])
-    assert pushed, team["first_attempt"][-4000:]
+    assert workers_team["training_at_kill"], workers_team["first_attempt"][-4000:]
+    assert workers_team["left"] == [], workers_team["left"]
+    other = ({"w1", "w2"} - {workers_team["killed"]}).pop()
+    assert workers_team["a"] in workers_team["worker_logs"][other], workers_team["worker_logs"][other][-3000:]
+    assert workers_team["final_a"]["state"]["type"] == "COMPLETED", workers_team["logs_a"][-6000:]
+    assert "starting fresh: no checkpoint" in workers_team["first_attempt"]
+    pushed = re.findall(r"pushed checkpoints up to (ckpt-\d+)\.pt", workers_team["first_attempt"])
+    assert pushed, workers_team["first_attempt"][-4000:]
     marker = "experiment 'run-a' is on origin"
-    assert marker in team["logs_a"], team["logs_a"][-6000:]
-    retry = team["logs_a"][team["logs_a"].index(marker):]
+    assert marker in workers_team["logs_a"], workers_team["logs_a"][-6000:]
+    retry = workers_team["logs_a"][workers_team["logs_a"].index(marker):]
     for stage in ("download", "convert", "augment"):
         assert f"Stage '{stage}' didn't change, skipping" in retry, stage
     resumed = re.search(r"resuming from checkpoints/(ckpt-\d+)\.pt", retry)
     assert resumed and resumed.group(1) >= pushed[0] and "starting fresh" not in retry, retry[-6000:]
-    assert team["result_a"]["stages"]["train"] == "ran"
+    assert workers_team["result_a"]["stages"]["train"] == "ran"
 
 
 @pytest.mark.slow
-def test_run_is_pulled_in_a_fresh_clone_and_equals_an_uninterrupted_run(team):
+def test_run_is_pulled_in_a_fresh_clone_and_equals_an_uninterrupted_run(workers_team):
     """A's result and artifact name the experiment, its git ref and S3 URIs (no path on the worker); a fresh
     clone gets A's metrics and model with ``dvc exp pull`` + ``dvc exp apply`` + ``dvc pull``, hash-equal; and
     training there again from scratch, uninterrupted, writes the very same model.pt bytes."""
-    result = team["result_a"]
+    result = workers_team["result_a"]
     assert result["experiment"] == "run-a" and result["ref"].startswith("refs/exps/")
-    assert result["git_remote"] == f"file://{team['origin']}"
-    assert result["dvc_remote"] == f"s3://{team['bucket']}/dvc"
+    assert result["git_remote"] == f"file://{workers_team['origin']}"
+    assert result["dvc_remote"] == f"s3://{workers_team['bucket']}/dvc"
     model = result["outputs"]["models/model.pt"]
-    assert model["remote"] == f"s3://{team['bucket']}/dvc/files/md5/{model['md5'][:2]}/{model['md5'][2:]}"
-    artifact = team["prefect"].artifact(team["a"], "train-results")
+    assert model["remote"] == f"s3://{workers_team['bucket']}/dvc/files/md5/{model['md5'][:2]}/{model['md5'][2:]}"
+    artifact = workers_team["prefect"].artifact(workers_team["a"], "train-results")
     for text in (json.dumps(result), artifact):     # no path of the worker's temporary clone (tmp...prefect/)
         assert not re.search(r"tmp\w*prefect|\.dvc/(cache|tmp)|/files/md5/", text.replace(
-            f"s3://{team['bucket']}/dvc/files/md5/", "S3")), text[:3000]
+            f"s3://{workers_team['bucket']}/dvc/files/md5/", "S3")), text[:3000]
     assert model["remote"] in artifact and "dvc exp pull origin run-a" in artifact
-    assert _remote_exps(team["origin"])["run-a"] == sh(["git", "ls-remote", str(team["origin"]), result["ref"]],
-                                                      team["work"]).stdout.split()[0]
+    origin = workers_team["origin"]
+    assert _remote_exps(origin)["run-a"] == sh(["git", "ls-remote", str(origin), result["ref"]],
+                                              workers_team["work"]).stdout.split()[0]
 
-    clone = team["work"] / "fresh"
-    sh(["git", "clone", "-q", str(team["origin"]), str(clone)], team["work"])
-    env = {**os.environ, **team["env"], "PYTHONPATH": ""}
+    clone = workers_team["work"] / "fresh"
+    sh(["git", "clone", "-q", str(origin), str(clone)], workers_team["work"])
+    env = {**os.environ, **workers_team["env"], "PYTHONPATH": ""}
     for cmd in (["exp", "pull", "origin", "run-a"], ["exp", "apply", "run-a"], ["pull"]):
         proc = subprocess.run([sys.executable, "-m", "dvc", *cmd], cwd=clone, env=env, capture_output=True,
                               text=True, timeout=300)
@@ -269,39 +270,40 @@ def test_run_is_pulled_in_a_fresh_clone_and_equals_an_uninterrupted_run(team):
 
 
 @pytest.mark.slow
-def test_second_run_restores_the_unchanged_stages(team):
+def test_second_run_restores_the_unchanged_stages(workers_team):
     """Run B (only train params differ from A) starts in a fresh clone of origin: DVC restores download,
     convert and augment from the remote run-cache instead of running them, then trains with B's params."""
-    logs = team["logs_b"]
-    assert team["final_b"]["state"]["type"] == "COMPLETED", logs[-6000:]
+    logs = workers_team["logs_b"]
+    assert workers_team["final_b"]["state"]["type"] == "COMPLETED", logs[-6000:]
     for stage in ("download", "convert", "augment"):
         assert f"Stage '{stage}' is cached - skipping run" in logs and f"Running stage '{stage}'" not in logs, stage
     assert "Running stage 'train'" in logs and "wrote models/model.pt after 2 iterations" in logs, logs[-4000:]
 
 
 @pytest.mark.slow
-def test_each_source_its_own_deployment(team):
+def test_each_source_its_own_deployment(workers_team):
     """Registering this checkout as train/team while train/team runs code from the git origin is refused."""
-    refused = team["refused"]
+    refused = workers_team["refused"]
     assert refused.returncode != 0
-    assert f"deployment train/team runs code from file://{team['origin']}@main" in refused.stderr, refused.stderr
+    origin = workers_team["origin"]
+    assert f"deployment train/team runs code from file://{origin}@main" in refused.stderr, refused.stderr
 
 
 @pytest.mark.slow
-def test_unreachable_remote_fails_in_seconds(team):
+def test_unreachable_remote_fails_in_seconds(workers_team):
     """A run whose DVC remote does not answer fails before any stage, with one line naming the remote."""
-    assert team["dead"]["state"]["type"] == "FAILED"
-    message = team["dead"]["state"]["message"]
+    assert workers_team["dead"]["state"]["type"] == "FAILED"
+    message = workers_team["dead"]["state"]["message"]
     assert "DVC remote 's3' (s3://" in message and "unreachable" in message and "\n" not in message, message
-    assert "Running stage" not in team["dead_logs"]
-    assert team["dead_s"] < 60, team["dead_s"]          # the probe: 5 s connect timeout, botocore's retries
+    assert "Running stage" not in workers_team["dead_logs"]
+    assert workers_team["dead_s"] < 60, workers_team["dead_s"]  # the probe: 5 s connect timeout, botocore's retries
 
 
 @pytest.mark.slow
-def test_logs_follows_a_run_with_its_stages_output(team):
+def test_logs_follows_a_run_with_its_stages_output(workers_team):
     """``python -m flows.logs <name>`` prints the run's log with the stages' own output (both attempts) and
     exits 0 for a Completed run; 2 for a run that does not exist."""
-    prefect = team["prefect"]
+    prefect = workers_team["prefect"]
     proc = subprocess.run([sys.executable, "-m", "flows.logs", "run-a", "--poll", "0.5"], env=prefect.env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -309,7 +311,7 @@ def test_logs_follows_a_run_with_its_stages_output(team):
                  "pushed checkpoints up to", "onnx parity"):
         assert line in proc.stdout, line
     for line in ("saved checkpoint", "Running stage", "files pushed"):       # each line once: none lost or doubled
-        assert proc.stdout.count(line) == team["logs_a"].count(line) > 0, line
+        assert proc.stdout.count(line) == workers_team["logs_a"].count(line) > 0, line
     missing = subprocess.run([sys.executable, "-m", "flows.logs", "no-such-run"], env=prefect.env,
                              capture_output=True, text=True, timeout=120)
     assert missing.returncode == 2 and "no flow run 'no-such-run'" in missing.stderr

@@ -2,7 +2,9 @@
 heading of that file, GitHub's slug rule), every command they name exists (``python -m X``: importable;
 ``python file.py``: present; ``dvc ...``: a subcommand of DVC's own parser, a copy-pasteable fenced command
 parses with all its options, ``dvc repro <stage>`` names a stage of dvc.yaml; ``prefect ...``: a command listed
-by ``prefect [group] --help``), and the reference tables cover every params key and every convert rule."""
+by ``prefect [group] --help``), every test they name exists (``tests/<dir>/<file>.py[::<name>]``,
+``<level>/test_<file>[::<name>]``: the file, and the name defined in it), and the reference tables cover every
+params key and every convert rule."""
 from __future__ import annotations
 
 import argparse
@@ -217,10 +219,31 @@ def command_problem(argv: list[str], full: bool) -> str | None:
     return None
 
 
+# A test file named in a page: ``tests/<dir>/<file>.py`` with an optional ``::<name>``, or, in an inline code span,
+# ``<level>/test_<file>`` with an optional ``::<name>`` (docs/testing.md's index of which tests prove what).
+TEST_PATH = re.compile(r"\btests/((?:[\w-]+/)*[\w-]+\.py)(?:::(\w+))?")
+TEST_SPAN = re.compile(r"`((?:unit|stages|system)/test_\w+)(?:::(\w+))?`")
+
+
+def named_test_problems(prose: str) -> list[str]:
+    """Test files a page names that do not exist, and names after ``::`` that their file does not define (a
+    ``def``, ``class`` or module-level assignment)."""
+    found = []
+    refs = [(f"tests/{m[1]}", m[2]) for m in TEST_PATH.finditer(prose)]
+    refs += [(f"tests/{m[1]}.py", m[2]) for m in TEST_SPAN.finditer(prose)]
+    for rel, name in refs:
+        if not (REPO / rel).is_file():
+            found.append(f"{rel}: no such test file")
+        elif name and not re.search(rf"^(?:(?:async\s+)?def|class)\s+{name}\b|^{name}\s*[:=]",
+                                    (REPO / rel).read_text(), re.M):
+            found.append(f"{rel}::{name}: not defined there")
+    return found
+
+
 def problems(path: Path, text: str) -> list[str]:
-    """Every broken link and unknown command of the markdown ``text`` of a page at ``path``."""
+    """Every broken link, unknown command and missing test of the markdown ``text`` of a page at ``path``."""
     prose, shell = _split_fenced(text)
-    found = link_problems(path, prose)
+    found = link_problems(path, prose) + named_test_problems(prose)
     for argv, full in commands(prose, shell):
         p = command_problem(argv, full)
         if p:
@@ -243,6 +266,9 @@ NEGATIVE = {
     "unknown dvc option": ("```bash\ndvc repro && dvc exp run --no-such-flag\n```", "--no-such-flag"),
     "unknown stage": ("Rerun one stage: `dvc repro trian`.", "trian"),
     "unknown prefect command": ("Retry it: `prefect flow-run retri <id>`.", "retri"),
+    "moved test file": ("Proved by `tests/test_cocoeval.py`.", "tests/test_cocoeval.py"),
+    "missing test": ("Proved by `stages/test_train::test_no_such_test`.", "test_no_such_test"),
+    "missing helper": ("Built by `tests/system/test_workers.py::_team`.", "_team"),
 }
 
 
@@ -261,7 +287,8 @@ def test_a_correct_page_has_no_problem():
             "PREFECT_SERVER_ANALYTICS_ENABLED=false prefect server start --host 127.0.0.1\n"
             "python -m stages.train --emit k8s --out train.yaml && kubectl apply -f train.yaml\n```\n\n"
             "Mentions: `dvc exp push`, `dvc repro convert`, `prefect flow-run retry <id>`, `python -m stages.<name>`,"
-            " `python .dvc/offline-plots/build.py`.\n")
+            " `python .dvc/offline-plots/build.py`, `unit/test_docs::test_a_correct_page_has_no_problem`,"
+            " `tests/system/test_workers.py::_workers_team`, `tests/support/pipeline.py::TINY_PARAMS`.\n")
     assert problems(REPO / "docs" / "x.md", text) == []
 
 
@@ -310,7 +337,7 @@ def test_params_reference_lists_every_key():
 
 def test_rules_reference_lists_every_rule():
     """Every counted convert rule is in docs/convert.md's table, every stopping one in docs/errors.md's."""
-    from detpipe.data.coco import ERRORS, RULES
+    from detpipe.data.coco_schema import ERRORS, RULES
 
     convert = (REPO / "docs" / "convert.md").read_text()
     errors = (REPO / "docs" / "errors.md").read_text()
