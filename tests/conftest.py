@@ -64,6 +64,8 @@ def _two_rank_workdir(factory) -> Path:
 
 # The default pipeline's params in `reproduced_repo`: a 12-image dataset (pinned by its sha256), one epoch.
 REPRODUCED_PARAMS = {"train": {"epochs": 1}}
+# `dvc repro`'s stdout and stderr in one stream, beside the repository (``reproduced_repo.parent / REPRODUCED_LOG``).
+REPRODUCED_LOG = "dvc_repro.log"
 
 
 def _reproduced_repo(factory) -> Path:
@@ -71,7 +73,13 @@ def _reproduced_repo(factory) -> Path:
 
     repo = make_repo(factory.mktemp("reproduced") / "repo", train=REPRODUCED_PARAMS["train"],
                      export={"torch_export": True})
-    run(["dvc", "repro"], repo)
+    import subprocess
+    from support.procs import stage_env
+
+    proc = subprocess.run(["dvc", "repro"], cwd=repo, env=stage_env(), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=1800)   # one stream: stages' logs in order
+    (repo.parent / REPRODUCED_LOG).write_text(proc.stdout)
+    assert proc.returncode == 0, f"dvc repro failed ({proc.returncode}):\n{proc.stdout[-6000:]}"
     run(["git", "add", "-A"], repo)
     run(["git", "commit", "-qm", "pipeline run"], repo)
     return repo
@@ -115,11 +123,12 @@ for _name, _build in (("learns_prepared", _learns_prepared), ("fitted_workdir", 
                       ("prefect_api", _prefect_api), ("s3_server", _s3_server)):
     prebuild.register(_name, _build)
 # Built in the background in this order when a selected test uses them (their first users come late in the run:
-# test_elastic, test_evaluate, test_flows, ...; the test modules register their own: test_flows' killed run,
-# test_workers' team, test_learns' trainings on corrupted caches), then any other registered build; the session
-# fixtures the first test files need at once (cached_workdir, s3_server) are built by those tests, never queued.
+# test_elastic, test_evaluate, test_flows, ...; the test modules register their own: test_flows' killed_run,
+# test_workers' workers_team, test_learns' trainings on corrupted caches), then any other registered build; the
+# session fixtures the first test files need at once (cached_workdir, s3_server) are built by those tests, never
+# queued.
 PREBUILT = ("reproduced_repo", "prefect_api", "two_rank_workdir", "trained_workdir", "killed_run", "fitted_workdir",
-            "learns[labels+1]", "learns[boxes*2]", "team")   # test_workers comes last
+            "learns[labels+1]", "learns[boxes*2]", "workers_team")   # test_workers comes last
 BUILT_FIRST_BY_TESTS = ("cached_workdir", "s3_server")
 
 
@@ -162,7 +171,8 @@ def two_rank_workdir(tmp_path_factory) -> Path:
 def reproduced_repo(tmp_path_factory) -> Path:
     """A git + DVC copy of the repository (`support.repos.make_repo` with ``REPRODUCED_PARAMS`` and the default
     export, torch.export included) after ``dvc repro`` of the whole pipeline, the run committed ("pipeline
-    run"). Tests must not modify it: copy it with `support.repos.clone_with_cache`."""
+    run"). Tests must not modify it: copy it with `support.repos.clone_with_cache`. The run's log (stdout and
+    stderr as one stream) is ``reproduced_repo.parent / REPRODUCED_LOG``."""
     return prebuild.get("reproduced_repo")
 
 

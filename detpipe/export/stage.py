@@ -90,6 +90,8 @@ def export(cfg: params_mod.Export, model_path: Path = MODEL, cache_dir: Path = C
             log.warning("models/torch_export left empty: %s", TORCH_EXPORT_UNSUPPORTED)
         if cfg.torchscript:
             runners["torchscript"] = lambda p: export_torchscript(target, p, masks)
+        if not names and cfg.require_parity:   # no raw output to compare: fail before minutes of exporting
+            _nothing_compared(list(runners), cfg)
         for fmt, make in runners.items():
             run = make(tmp / FILES[fmt])
             with torch.inference_mode():
@@ -119,8 +121,13 @@ def _verdict(report: dict, cfg: params_mod.Export) -> None:
             for f, raw in failed.items()))
     empty = [f for f, r in report["formats"].items() if not r["raw"]["compared"]]
     if empty:
-        message = (f"export parity: nothing compared for {', '.join(empty)} (the model has no head whose raw "
-                   "outputs the gate knows, see detpipe.export.exporter.raw_taps)")
-        if cfg.require_parity:
-            raise StageError(message + "; set export.require_parity: false to export anyway")
-        log.warning("%s; exported anyway (export.require_parity: false)", message)
+        _nothing_compared(empty, cfg)
+
+
+def _nothing_compared(formats: list[str], cfg: params_mod.Export) -> None:
+    """Raise `StageError` (``cfg.require_parity``) or log a warning: the gate compares nothing for ``formats``."""
+    message = (f"export parity: nothing compared for {', '.join(formats)} (the model has no head whose raw "
+               "outputs the gate knows, see detpipe.export.exporter.raw_taps)")
+    if cfg.require_parity:
+        raise StageError(message + "; set export.require_parity: false to export anyway")
+    log.warning("%s; exported anyway (export.require_parity: false)", message)

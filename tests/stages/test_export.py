@@ -10,9 +10,8 @@ import warnings
 import onnxruntime as ort
 import pytest
 import torch
-import yaml
 
-from support.pipeline import stage_cli, write_params
+from support.pipeline import set_params, stage_cli
 from detpipe.data.dataset import CachedDetectionDataset, collate
 from detpipe.errors import StageError
 from detpipe.export.exporter import DetectionExport, compare_raw, match_detections, split_outputs
@@ -49,9 +48,7 @@ def test_torch_export_can_be_left_out(trained_workdir, tmp_path):
     the report says why; the card does not offer the missing file."""
     work = tmp_path / "w"
     shutil.copytree(trained_workdir, work)
-    params = yaml.safe_load((work / "params.yaml").read_text())
-    params["export"]["torch_export"] = False
-    (work / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    set_params(work, {"export": {"torch_export": False}})
     stage_cli("export", work)
     report = json.loads((work / "models/export_report.json").read_text())
     assert set(report["formats"]) == {"onnx"} and report["formats"]["onnx"]["raw"]["ok"]
@@ -72,13 +69,18 @@ def perturbed(work):
     return model
 
 
-def test_default_export_compares_and_passes(trained_workdir, tmp_path):
-    """The default model (80 classes, barely trained): raw outputs compared for every format, all agree; no
-    deprecation warning (TorchScript is off by default); the files load and run on their own."""
-    work = tmp_path / "w"
-    shutil.copytree(trained_workdir, work)
-    proc = stage_cli("export", work)
-    assert "FutureWarning" not in proc.stderr and "DeprecationWarning" not in proc.stderr
+def test_default_export_compares_and_passes(reproduced_repo):
+    """The default model (80 classes, barely trained), exported by the default pipeline's `dvc repro` (the
+    session's ``reproduced_repo``: the stage's real run, not repeated here): raw outputs compared for every
+    format, all agree; no deprecation warning (TorchScript is off by default); the files load and run on their
+    own."""
+    from conftest import REPRODUCED_LOG
+
+    work = reproduced_repo
+    log = (work.parent / REPRODUCED_LOG).read_text()
+    export_log = log[log.index("Running stage 'export'"):]      # export is the pipeline's last stage
+    assert "onnx parity: raw" in export_log, export_log[-3000:]     # the stage's own log lines are in it
+    assert "FutureWarning" not in export_log and "DeprecationWarning" not in export_log, export_log[-3000:]
     report = json.loads((work / "models/export_report.json").read_text())
     assert set(report["formats"]) == {"torch_export", "onnx"}
     assert report["raw_outputs"] == ["head.bbox_regression", "head.cls_logits"]
@@ -101,7 +103,9 @@ def test_default_export_compares_and_passes(trained_workdir, tmp_path):
 
 def test_three_class_export_passes_and_perturbed_fails(three_class_workdir, tmp_path, monkeypatch):
     """Issue 15.2: a sound export of a barely trained 3-class model passes (the final detections may differ by
-    NMS ties; the raw outputs do not); the same export with one weight changed fails, and writes nothing."""
+    NMS ties; the raw outputs do not); the same export with one weight changed fails, and writes nothing.
+    ``export.torchscript: true`` (opt-in, off by default: `test_default_export_compares_and_passes`) writes
+    models/torchscript/model.ts, checked by the same gate, and the file runs with torchvision's scripted API."""
     from detpipe.export.stage import export
 
     work = tmp_path / "w"
@@ -111,6 +115,11 @@ def test_three_class_export_passes_and_perturbed_fails(three_class_workdir, tmp_
     for fmt in ("torch_export", "onnx", "torchscript"):
         assert report["formats"][fmt]["raw"]["ok"], fmt
     assert (work / "models/torchscript/model.ts").is_file()
+    with warnings.catch_warnings():    # the file runs with torchvision's scripted API (LibTorch users)
+        warnings.simplefilter("ignore", FutureWarning)
+        ts = torch.jit.load(str(work / "models/torchscript/model.ts"))
+    _, dets = ts([CachedDetectionDataset(work / "data/cache", "val")[0][0]])
+    assert dets[0]["boxes"].shape[1] == 4
     scores = torch.load(work / "models/model.pt", weights_only=True)  # a 3-class model whose scores tie
     assert scores["config"]["num_classes"] == 4
     before = {p: p.read_bytes() for p in (work / "models").rglob("model.*")}
@@ -118,22 +127,6 @@ def test_three_class_export_passes_and_perturbed_fails(three_class_workdir, tmp_
     with pytest.raises(StageError, match=r"parity check failed: onnx: .*head\.cls_logits \(image 0\).*; torch_export: .*head\.cls_logits"):
         export(Export(num_images=2), model=perturbed(work))
     assert {p: p.read_bytes() for p in (work / "models").rglob("model.*")} == before  # nothing replaced
-
-
-def test_torchscript_is_opt_in_and_checked(three_class_workdir, tmp_path):
-    """``export.torchscript: true`` (LibTorch users) writes models/torchscript/model.ts through the stage; the
-    file runs with torchvision's scripted API."""
-    work = tmp_path / "w"
-    shutil.copytree(three_class_workdir, work)
-    write_params(work, {"export": {"num_images": 1, "torchscript": True, "torch_export": False}})
-    stage_cli("export", work)
-    report = json.loads((work / "models/export_report.json").read_text())
-    assert report["formats"]["torchscript"]["raw"]["ok"]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        ts = torch.jit.load(str(work / "models/torchscript/model.ts"))
-    _, dets = ts([CachedDetectionDataset(work / "data/cache", "val")[0][0]])
-    assert dets[0]["boxes"].shape[1] == 4
 
 
 def test_compare_raw_rejects_disagreement():
