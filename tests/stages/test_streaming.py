@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import fnmatch
 import http.server
 import logging
 import os
@@ -101,7 +102,7 @@ def test_streamed_batches_equal_local_and_local_folder_stays_bounded(remote, sma
     held = []
 
     def watch(d):
-        held.append(sum(f.stat().st_size for f in Path(d.local_dir).glob("part-*.arrow")))
+        held.append(_folder_bytes(d.local_dir, "part-*.arrow"))
 
     got = _take(ds, steps, watch=watch, local_dir=str(tmp_path / "shards"), local_bytes=bound,
                 num_workers=num_workers)
@@ -212,6 +213,18 @@ def test_delay_proxy_stops_quietly_with_connections_open(tmp_path, caplog):
     assert not [r for r in caplog.records if r.name == "asyncio" and r.levelno >= logging.WARNING], caplog.text
 
 
+def _folder_bytes(folder: Path | str, pattern: str = "*") -> int:
+    """Bytes of the files in ``folder`` whose names match ``pattern``, from one consistent listing: the prefetcher renames ``*.tmp`` copies and
+    deletes consumed shards while we look, so a file that vanishes between the listing and its ``stat`` means the
+    listing is stale and is taken again (the bytes moved to the new name, they did not leave the folder)."""
+    while True:
+        try:
+            with os.scandir(folder) as entries:
+                return sum(e.stat().st_size for e in entries if e.is_file() and fnmatch.fnmatch(e.name, pattern))
+        except FileNotFoundError:
+            continue
+
+
 def _consume_through_prefetcher(many_shards, proxy: DelayProxy, local_dir: Path, per_sample_s: float,
                                 samples: int) -> tuple[int, int, int]:
     """Read ``samples`` samples of a shard-aware sampler's plan (`SAMPLES_PER_SHARD` samples per shard, block
@@ -239,7 +252,7 @@ def _consume_through_prefetcher(many_shards, proxy: DelayProxy, local_dir: Path,
         for pos, shard in enumerate(np.concatenate(list(plan()))[:samples]):
             copy_path = wait_for_shard(str(local_dir), names[shard], url, timeout_s=60)
             assert ipc.open_file(pa.memory_map(copy_path)).num_record_batches > 0
-            most_bytes = max(most_bytes, sum(f.stat().st_size for f in local_dir.iterdir() if f.is_file()))
+            most_bytes = max(most_bytes, _folder_bytes(local_dir))
             time.sleep(per_sample_s)
             if pos % 2 == 1:
                 prefetcher.consumed(pos + 1)
