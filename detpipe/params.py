@@ -205,7 +205,8 @@ class Evaluate(_Section):
     score_threshold: float = Field(default=0.0, ge=0, le=1, description='Detections below this score are not scored.')
     nproc_per_node: int = Field(default=1, ge=1, description='Processes that each predict part of val (torchrun); rank 0 scores.')
     num_plot_images: int = Field(default=4, ge=0, description='Val images drawn with predicted and ground-truth boxes under plots/.')
-    plot_score_threshold: float = Field(default=0.3, ge=0, le=1, description='Predicted boxes drawn at or above this score.')
+    plot_score_threshold: float = Field(default=0.3, ge=0, le=1, description='Predicted boxes drawn at or above this score; also the lowest score of a detection in the confusion matrix and the worst-image ranking.')
+    num_worst_images: int = Field(default=4, ge=0, description='Val images with the most errors (false positives plus missed objects at IoU 0.5, score >= plot_score_threshold) drawn under plots/worst_images/.')
 
 
 class Export(_Section):

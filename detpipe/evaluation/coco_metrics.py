@@ -62,6 +62,8 @@ class CocoResult:
         summary: the COCO API's 12-line printed summary (for logs).
         iou_type: ``"bbox"`` or ``"segm"``.
         seconds: wall time of the COCO API's evaluate + accumulate + summarize, in seconds.
+        dataset, results: the validated ground truth and detections handed to the COCO API (`validated_inputs`), for
+            analyses that must see the same records (`detpipe.evaluation.errors.analyze_validated`).
     """
 
     stats: dict[str, float]
@@ -77,6 +79,8 @@ class CocoResult:
     summary: str = ""
     iou_type: str = "bbox"
     seconds: float = 0.0
+    dataset: dict = field(default_factory=dict, repr=False)
+    results: list = field(default_factory=list, repr=False)
 
 
 # ----------------------------------------------------------------------------------------------- checks
@@ -247,6 +251,27 @@ def _prepare_dt(detections: list, iou_type: str, images: dict, cat_ids: set, src
     return out
 
 
+def validated_inputs(gt: dict, detections: list[dict], iou_type: str = "bbox", *, gt_source: str = "ground truth",
+                     dt_source: str = "detections") -> tuple[dict, list[dict]]:
+    """The ground truth and detections exactly as `coco_evaluate` hands them to the COCO API, after the same checks:
+    ``(dataset, results)``, ``dataset`` a fresh COCO instances dict (annotation ids renumbered 1..N in input order,
+    ``iscrowd`` 0/1, ``area`` filled in), ``results`` the detections as ``COCO.loadRes`` would make them (``id``
+    1..N in input order, ``bbox`` floats). Used by `detpipe.evaluation.errors` so that its matching sees the same
+    records as COCOeval.
+
+    Raises:
+        ValueError: unknown ``iou_type``.
+        StageError: as `coco_evaluate` (names the record and the rule).
+    """
+    if iou_type not in IOU_TYPES:
+        raise ValueError(f"iou_type must be one of {IOU_TYPES}, got {iou_type!r}")
+    from pycocotools import mask as mask_utils
+
+    dataset, images = _prepare_gt(gt, iou_type, gt_source, mask_utils)
+    dets = _prepare_dt(detections, iou_type, images, {c["id"] for c in dataset["categories"]}, dt_source, mask_utils)
+    return dataset, dets
+
+
 # ----------------------------------------------------------------------------------------------- evaluation
 
 
@@ -321,15 +346,10 @@ def coco_evaluate(gt: dict, detections: list[dict], iou_type: str = "bbox", back
             malformed detection, e.g. an ``image_id`` or ``category_id`` not in ``gt`` (names the detection's
             index in ``detections`` and the rule).
     """
-    if iou_type not in IOU_TYPES:
-        raise ValueError(f"iou_type must be one of {IOU_TYPES}, got {iou_type!r}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    from pycocotools import mask as mask_utils
-
-    dataset, images = _prepare_gt(gt, iou_type, gt_source, mask_utils)
-    cat_ids = {c["id"] for c in dataset["categories"]}
-    dets = _prepare_dt(detections, iou_type, images, cat_ids, dt_source, mask_utils)
+    dataset, dets = validated_inputs(gt, detections, iou_type, gt_source=gt_source, dt_source=dt_source)
+    images = dataset["images"]
 
     run = _run_pycocotools if backend == "pycocotools" else _run_faster
     ev, summary, seconds = run(dataset, dets, iou_type)
@@ -360,6 +380,8 @@ def coco_evaluate(gt: dict, detections: list[dict], iou_type: str = "bbox", back
         iou_type=iou_type,
         backend=backend,
         seconds=seconds,
+        dataset=dataset,
+        results=dets,
     )
 
 

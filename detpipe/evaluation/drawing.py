@@ -60,3 +60,32 @@ def draw_masks(image: torch.Tensor, rles: list[dict], color: str, alpha: float =
 
     m = mask_utils.decode(rles)  # (H, W, N) uint8
     return draw_segmentation_masks(image, torch.from_numpy(m).permute(2, 0, 1).bool(), alpha=alpha, colors=color)
+
+
+def add_legend(image: torch.Tensor, entries: list[tuple[str, str]], row_height: int = 16) -> torch.Tensor:
+    """``image`` with a black legend strip added below it: one swatch per entry, its text written in its colour.
+
+    Args:
+        image: ``uint8 (3, H, W)`` RGB.
+        entries: ``(text, colour name)`` pairs, left to right, wrapped onto more rows when the image is narrow.
+        row_height: height of one legend row in pixels (the text is torchvision's default font, about 10 px).
+    Returns:
+        ``uint8 (3, H + rows * row_height, W)``.
+    """
+    from torchvision.utils import draw_bounding_boxes
+
+    _, H, W = image.shape
+    char_px, pad = 6, 6                    # the default bitmap font is about 6 px per character
+    rows, x, y = [], pad, 0
+    for text, color in entries:
+        w = len(text) * char_px + 2 * pad
+        if x > pad and x + w > W:
+            x, y = pad, y + 1
+        rows.append((x, y, w, text, color))
+        x += w + pad
+    strip = torch.zeros((3, (y + 1) * row_height, W), dtype=torch.uint8)
+    boxes = torch.tensor([[bx, by * row_height + 1, min(bx + w, W - 1), (by + 1) * row_height - 2]
+                          for bx, by, w, _, _ in rows], dtype=torch.float32)
+    colors = [c for *_, c in rows]
+    strip = draw_bounding_boxes(strip, boxes, labels=[t for _, _, _, t, _ in rows], colors=colors, width=1)
+    return torch.cat([image, strip], dim=1)

@@ -21,6 +21,14 @@ stay narrow); and ``plots/val_images/*.png``: a few val images with predicted (r
 ``evaluate.plot_score_threshold``; masks shaded for mask models) and ground-truth (green) boxes
 (`detpipe.evaluation.drawing`).
 
+Error analysis (`detpipe.evaluation.errors`, bbox only: for mask models the boxes of the same detections are
+analysed, not the masks), from COCOeval's own matching at IoU 0.5 (its base AP50 must equal COCOeval's): the TIDE
+ΔAP50 per error type in ``metrics/eval.json`` under ``errors`` (``AP50``, ``cls``, ``loc``, ``both``, ``dupe``,
+``bkg``, ``miss``, ``FP``, ``FN``) and ``plots/errors.json``; the confusion matrix (``plots/confusion.json``,
+``plots/confusion_counts.json``) and ``plots/worst_images/`` (the ``evaluate.num_worst_images`` val images with the
+most errors), both at score ≥ ``evaluate.plot_score_threshold``
+(`detpipe.evaluation.plots.write_error_plots`).
+
 With ``evaluate.nproc_per_node > 1`` `evaluate_or_launch` launches ``torchrun`` like the train stage: each rank predicts
 images ``rank, rank + world, ...`` of val and rank 0 gathers the detections and scores them.
 """
@@ -41,6 +49,7 @@ from detpipe.data.dataset import CachedDetectionDataset, uses_masks
 from detpipe.data.meta import read_meta
 from detpipe.engine.distributed import setup_distributed
 from detpipe.evaluation.detections import detect_dataset, label_to_category_id
+from detpipe.evaluation.errors import analyze_validated, error_metrics
 from detpipe.evaluation.ground_truth import gt_from_arrow
 from detpipe.evaluation.plots import write_plots
 from detpipe.launch.torchrun import launch_local
@@ -61,9 +70,11 @@ def evaluate(cfg: params_mod.Evaluate, arrow_dir: Path = ARROW_DIR, cache_dir: P
         model_path: the trained model (``models/model.pt``).
         metrics_path, plots_dir: where the metrics JSON and the plots go (each written atomically).
     Returns:
-        ``{"bbox": {stat: value}, ["segm": {...},] "num_images": int, "num_detections": int}``, or None.
+        ``{"bbox": {stat: value}, ["segm": {...},] "num_images": int, "num_detections": int, "errors": {type:
+        ΔAP50}}``, or None.
     Raises:
-        StageError: missing inputs; a non-finite stat (never expected from COCOeval).
+        StageError: missing inputs; a non-finite stat (never expected from COCOeval); the error analysis' AP50 not
+            COCOeval's (never expected).
     """
     # detections are gathered as Python objects: gloo works everywhere
     rank, world, _, device = setup_distributed(backend="gloo")
@@ -92,10 +103,16 @@ def evaluate(cfg: params_mod.Evaluate, arrow_dir: Path = ARROW_DIR, cache_dir: P
         if bad:
             raise StageError(f"{metrics_path}: non-finite COCO {iou_type} stats {bad}")
     result = results["bbox"]
+    analysis = analyze_validated(result.dataset, result.results, cfg.plot_score_threshold)
+    if abs(analysis.ap50 - result.stats["AP50"]) > 1e-6:   # the same matches: never expected
+        raise StageError(f"{metrics_path}: the error analysis' AP50 {analysis.ap50:.9f} is not COCOeval's "
+                         f"{result.stats['AP50']:.9f} (rule: the analysis replays COCOeval's matching at IoU 0.5)")
+    log.info("TIDE errors (dAP50, bbox): %s", ", ".join(f"{k} {v:.4f}" for k, v in analysis.delta_ap50.items()))
     metrics = {"bbox": result.stats, **({"segm": results["segm"].stats} if with_masks else {}),
-               "num_images": result.num_images, "num_detections": result.num_detections}
+               "num_images": result.num_images, "num_detections": result.num_detections,
+               "errors": error_metrics(analysis)}
     write_plots(Path(plots_dir), result, dets, gt, Path(arrow_dir) / "val", cfg.num_plot_images,
-                cfg.plot_score_threshold)
+                cfg.plot_score_threshold, analysis, cfg.num_worst_images)
     atomic_write_json(metrics_path, metrics)
     return metrics
 

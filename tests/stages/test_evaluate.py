@@ -59,8 +59,17 @@ def test_evaluate_stage(trained_workdir):
     assert "Average Precision" in proc.stderr
     pr = json.loads((trained_workdir / "plots/pr_curve.json").read_text())["pr_curve"]
     assert {r["iou"] for r in pr} == {0.5, 0.75}
-    # per-class AP only in its plots file (issue 16.3: `dvc exp show` lists the headline metrics only)
-    assert set(metrics) == {"bbox", "num_images", "num_detections"}
+    # per-class AP only in its plots file (issue 16.3: `dvc exp show` lists the headline metrics only); the TIDE
+    # error breakdown (issue 33) is headline: its base is COCOeval's AP50, its bars the same figures
+    assert set(metrics) == {"bbox", "num_images", "num_detections", "errors"}
+    assert list(metrics["errors"]) == ["AP50", "cls", "loc", "both", "dupe", "bkg", "miss", "FP", "FN"]
+    assert metrics["errors"]["AP50"] == pytest.approx(metrics["bbox"]["AP50"], abs=1e-6)
+    bars = json.loads((trained_workdir / "plots/errors.json").read_text())["errors"]
+    assert {b["error"]: b["dAP50"] for b in bars} == {k: v for k, v in metrics["errors"].items() if k != "AP50"}
+    table = json.loads((trained_workdir / "plots/confusion_counts.json").read_text())
+    rows = json.loads((trained_workdir / "plots/confusion.json").read_text())["confusion"]
+    assert len(rows) == sum(map(sum, table["counts"])) and table["classes"][-1] == "background"
+    assert (trained_workdir / "plots/worst_images").is_dir()
     per_class = json.loads((trained_workdir / "plots/per_class_ap.json").read_text())["per_class_ap"]
     gt_val = gt_from_arrow(trained_workdir / "data/arrow/val", meta)
     names = {c["id"]: c["name"] for c in gt_val["categories"]}

@@ -22,6 +22,7 @@ import pytest
 
 from support import prebuild
 from support.pipeline import LEARNS_IMAGE_IDS, stage_cli
+from support.tide_reference import comparable_detections, ours_points, tidecv_points
 
 # Set from measurement (docs/evaluate.md, "Proof it learns"): clean AP50 1.000 / AP 0.642; labels+1 0.171 / 0.082;
 # boxes*2 0.409 / 0.141 (one thread; with two, 0.875 / 0.550, 0.174 / 0.075, 0.563 / 0.211) (the objects are large: doubled boxes clipped to the image still overlap them by IoU >= 0.5,
@@ -92,3 +93,61 @@ def test_detector_fits_a_handful_of_images(request, learns_broken, broken):
         assert ap50 >= AP50_MIN and ap >= AP_MIN, f"the detector did not fit {len(LEARNS_IMAGE_IDS)} images: AP50 {ap50:.3f}, AP {ap:.3f}"
     else:
         assert ap50 < AP50_MIN or ap < AP_MIN, f"trained on a {broken} cache, AP50 {ap50:.3f} / AP {ap:.3f} still pass"
+
+
+# What each corrupted training must show as its largest TIDE error (metrics/eval.json "errors", ΔAP50).
+EXPECTED_ERROR = {"labels+1": "cls", "boxes*2": "loc"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("broken", BROKEN)
+def test_corrupted_training_shows_its_error_type(learns_broken, broken):
+    """The evaluate stage's TIDE breakdown names the fault: labels shifted by one class -> classification errors
+    (not localization), boxes x2 -> localization errors; the largest of the six ΔAP50 is that type."""
+    work = learns_broken(broken)
+    errors = json.loads((work / "metrics" / "eval.json").read_text())["errors"]
+    main = {k: errors[k] for k in ("cls", "loc", "both", "dupe", "bkg", "miss")}
+    print(f"{broken}: {errors}")
+    assert max(main, key=main.get) == EXPECTED_ERROR[broken], f"{broken}: {main}"
+    other = "loc" if EXPECTED_ERROR[broken] == "cls" else "cls"
+    assert main[EXPECTED_ERROR[broken]] > main[other]
+    drawn = sorted(p.name for p in (work / "plots" / "worst_images").glob("*.png"))
+    assert drawn and drawn[0].startswith("1_"), drawn     # the worst images, drawn (errors exist here)
+
+
+@pytest.mark.slow
+def test_error_analysis_of_the_fitted_model(fitted_workdir):
+    """On the clean fitted model: the stage wrote the error plots and metrics (base AP50 = COCOeval's); its
+    detections, recomputed in process with the stage's own functions, give the same TIDE figures as tidecv within 0.1
+    AP points (`support.tide_reference.comparable_detections`: at most 100 per image, as tidecv caps them)."""
+    import torch
+
+    from detpipe import params as params_mod
+    from detpipe.data.dataset import CachedDetectionDataset
+    from detpipe.data.meta import read_meta
+    from detpipe.evaluation.detections import detect_dataset, label_to_category_id
+    from detpipe.evaluation.errors import analyze
+    from detpipe.evaluation.ground_truth import gt_from_arrow
+    from detpipe.models import load_model
+
+    work = fitted_workdir
+    metrics = json.loads((work / "metrics" / "eval.json").read_text())
+    assert metrics["errors"]["AP50"] == pytest.approx(metrics["bbox"]["AP50"], abs=1e-6)
+    plots = work / "plots"
+    for name in ("confusion.json", "confusion_counts.json", "errors.json"):
+        assert (plots / name).is_file(), name
+    assert len(json.loads((plots / "confusion.json").read_text())["confusion"]) > 0
+
+    cfg = params_mod.load("evaluate", work / "params.yaml")
+    meta = read_meta(work / "data" / "arrow" / "meta.json")
+    model, _ = load_model(work / "models" / "model.pt", torch.device("cpu"))
+    dataset = CachedDetectionDataset(work / "data" / "cache", "val")
+    dets = detect_dataset(model, dataset, label_to_category_id(meta), cfg.batch_size, cfg.score_threshold,
+                          torch.device("cpu"), indices=list(range(len(dataset))), masks=False)
+    gt = gt_from_arrow(work / "data" / "arrow" / "val", meta)
+    kept = comparable_detections(gt, dets)
+    ours, theirs = ours_points(analyze(gt, kept, cfg.plot_score_threshold)), tidecv_points(gt, kept)
+    print(f"fitted model, {len(kept)} of {len(dets)} detections: " +
+          ", ".join(f"{k} {ours[k]:.3f}/{theirs[k]:.3f}" for k in ours))
+    for k in ours:
+        assert abs(ours[k] - theirs[k]) <= 0.1, f"{k}: ours {ours[k]:.3f}, tidecv {theirs[k]:.3f}"
