@@ -17,3 +17,5 @@ MODEL = MODELS_DIR / "model.pt"          # train -> evaluate, export
 LIVE_DIR = Path("dvclive")               # train metrics and plots
 METRICS = Path("metrics/eval.json")      # evaluate -> export (model card)
 PLOTS = Path("plots")
+LABEL_PLOTS = PLOTS / "labels"            # convert: label statistics of the train split (DVC plots)
+TRAIN_BATCH_PLOT = PLOTS / "train_batch.png"  # train: the first training batch, drawn (DVC image plot)

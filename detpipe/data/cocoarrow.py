@@ -27,6 +27,7 @@ from detpipe.data.coco_reader import Entry, Frame, ImageTable, clean_annotations
 from detpipe.data.coco_schema import Report, to_rle
 from detpipe.data.geometry import orient_box, orient_segmentation
 from detpipe.data.imageio import Unreadable, inspect
+from detpipe.data.label_stats import LabelStats
 
 SCHEMA = pa.schema(
     [
@@ -94,8 +95,9 @@ class ShardTask:
 
 @dataclasses.dataclass
 class ShardResult:
-    """What `convert_shard` wrote: counts of images in / rows out, annotations, image bytes, findings, and per row
-    written its table row and the first 8 bytes of its file's SHA-1 as int64 (``keys``)."""
+    """What `convert_shard` wrote: counts of images in / rows out, annotations, image bytes, findings, per row
+    written its table row and the first 8 bytes of its file's SHA-1 as int64 (``keys``), and the `LabelStats` of
+    the rows written (``labels``)."""
     split: str
     index: int
     out_path: str | None  # None: every image of the shard was dropped, no file written
@@ -106,6 +108,7 @@ class ShardResult:
     report: Report
     rows_out: np.ndarray
     keys: np.ndarray
+    labels: LabelStats
 
 
 class _Batch:
@@ -342,6 +345,7 @@ def convert_shard(task: ShardTask) -> ShardResult:
     rows = anns = nbytes = 0
     n = len(task.image_ids)
     rows_out, keys = [], []
+    stats = LabelStats(max(task.labels.values(), default=0) + 1)
     train = None if task.leak is None else load_leak_check(task.leak)
     try:
         for k, entry in enumerate(entries(task)):
@@ -352,6 +356,7 @@ def convert_shard(task: ShardTask) -> ShardResult:
                 rows, anns, nbytes = rows + 1, anns + len(row["ann_id"]), nbytes + size
                 rows_out.append(int(task.rows[k]))
                 keys.append(key)
+                stats.add_image(row["bbox"], row["label"], row["iscrowd"])
             if batch.rows and (k == n - 1 or batch.nbytes >= BATCH_BYTES or batch.rows >= BATCH_ROWS
                                or batch.text_bytes >= BATCH_BYTES):
                 if writer is None:
@@ -363,7 +368,7 @@ def convert_shard(task: ShardTask) -> ShardResult:
         if writer is not None:
             writer.close()
     return ShardResult(task.split, task.index, task.out_path if writer is not None else None, n, rows, anns,
-                       nbytes, report, np.array(rows_out, np.int64), np.array(keys, np.int64))
+                       nbytes, report, np.array(rows_out, np.int64), np.array(keys, np.int64), stats)
 
 
 def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:

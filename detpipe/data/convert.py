@@ -9,6 +9,8 @@ interrupted run leaves the previous output untouched and no half-written shard):
     data/arrow/val/part-00000.arrow ...     pa.ipc.open_file), uncompressed, record batches of ~16 MiB
     data/arrow/meta.json                    categories, label map, split sizes and shard lists
     data/arrow/report.json                  validation counts per rule with the first 5 examples each
+    plots/labels/*.json                     (``label_plots``) the train split's label statistics as DVC plots:
+                                            `detpipe.data.label_stats`, counted by the workers as they write
 
 Schema (one row per image; later stages read columns by name):
 
@@ -99,6 +101,7 @@ from detpipe.data.coco_reader import ImageTable, gc_paused, index, read_coco, sp
 from detpipe.data.coco_schema import Report
 from detpipe.data.cocoarrow import (SCHEMA, ShardResult, convert_shard, plan_shards, write_leak_check)
 from detpipe.data.imageio import inspect_image
+from detpipe.data.label_stats import LabelStats, write_label_plots
 from detpipe.errors import StageError
 from detpipe.files import atomic_dir
 from detpipe.params import Convert
@@ -179,9 +182,11 @@ def _count_copies(split: str, table: ImageTable, results: list[ShardResult], ima
                    f"split; kept")
 
 
-def _collect(results: list[ShardResult], sources: dict, tmp: Path, report: Report) -> dict[str, dict]:
+def _collect(results: list[ShardResult], sources: dict, tmp: Path, report: Report, num_labels: int) \
+        -> dict[str, dict]:
     """Merge the shard results per split: rename shards to consecutive ``part-NNNNN.arrow`` names, merge
-    their findings into ``report``, count copies within the split. Raises `StageError` (rule ``split_emptied``)
+    their findings into ``report`` and their `LabelStats` (of ``num_labels`` labels, background included) into
+    the split's ``labels``, count copies within the split. Raises `StageError` (rule ``split_emptied``)
     when the rules dropped every image of a split that listed some."""
     results.sort(key=lambda r: (list(sources).index(r.split), r.index))
     splits: dict[str, dict] = {}
@@ -197,7 +202,11 @@ def _collect(results: list[ShardResult], sources: dict, tmp: Path, report: Repor
                 os.rename(r.out_path, tmp / name)
             shards.append(name)
         _count_copies(split, table, mine, images_dir, report)
+        stats = LabelStats(num_labels)
+        for r in mine:
+            stats.merge(r.labels)
         splits[split] = {"images": sum(r.rows for r in mine), "annotations": sum(r.annotations for r in mine),
+                         "labels": stats,
                          "shards": shards, "images_in": len(rows),
                          "annotations_in": int((table.ann_first[rows + 1] - table.ann_first[rows]).sum()),
                          "image_bytes": sum(r.image_bytes for r in mine)}
@@ -208,7 +217,8 @@ def _collect(results: list[ShardResult], sources: dict, tmp: Path, report: Repor
     return splits
 
 
-def convert(raw_root: Path | str, out_dir: Path | str, params: Convert, *, progress: bool = True) -> dict:
+def convert(raw_root: Path | str, out_dir: Path | str, params: Convert, *, progress: bool = True,
+            label_plots: Path | str | None = None) -> dict:
     """Convert a COCO instances dataset to Arrow IPC shards (see the module docstring for layout and schema).
 
     Args:
@@ -217,6 +227,9 @@ def convert(raw_root: Path | str, out_dir: Path | str, params: Convert, *, progr
         params: the ``convert`` params section.
         progress: show the progress in images (`detpipe.progress.Progress`: a bar on a terminal, a log line every
             30 s elsewhere).
+        label_plots: folder that receives the train split's label statistics as DVC plots
+            (`detpipe.data.label_stats`: instances per class, box width, height and aspect-ratio histograms),
+            replaced atomically once ``out_dir`` is written; None: not written.
     Returns:
         ``{"meta": <meta.json>, "report": <report.json>}``.
     Raises:
@@ -251,7 +264,7 @@ def convert(raw_root: Path | str, out_dir: Path | str, params: Convert, *, progr
                     bar.update(r.images, images=r.images)
         for scratch in tmp.glob(".*"):                  # the leak check's arrays, spill files
             shutil.rmtree(scratch) if scratch.is_dir() else scratch.unlink()
-        splits = _collect(results, sources, tmp, report)
+        splits = _collect(results, sources, tmp, report, len(cat_ids) + 1)
         meta = {
             "categories": categories,
             "category_id_to_label": {str(cid): labels[cid] for cid in cat_ids},
@@ -277,6 +290,8 @@ def convert(raw_root: Path | str, out_dir: Path | str, params: Convert, *, progr
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
         (tmp / "report.json").write_text(json.dumps(rep, indent=2) + "\n")
 
+    if label_plots is not None:
+        write_label_plots(label_plots, splits["train"]["labels"], meta["label_names"])
     tr, va = splits["train"], splits["val"]
     log.info("convert: train %d images / %d annotations in %d shard(s), val %d / %d in %d; dropped %d of %d "
              "images; findings: %s (%s/report.json) [%.1f s]",

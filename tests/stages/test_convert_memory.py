@@ -1,6 +1,7 @@
 """Convert in bounded memory (issue 26): an ~80 MB annotation file (1,500 small images from a COCO128 photo,
-15,000 polygons of 450 points) converts in a process whose data segment is limited (``RLIMIT_DATA``, which counts
-the heap and private mappings), while parsing the same file whole, as convert did before, fails under that limit."""
+15,000 polygons of 450 points) converts, its label statistics included, in a process whose data segment is limited
+(``RLIMIT_DATA``, which counts the heap and private mappings), while parsing the same file whole, as convert did
+before, fails under that limit."""
 from __future__ import annotations
 
 import io
@@ -23,7 +24,7 @@ _LIMITED = ("import resource, sys; limit = int(sys.argv[1]) << 20; "
             "resource.setrlimit(resource.RLIMIT_DATA, (limit, limit)); sys.argv = sys.argv[1:]; ")
 _CONVERT = ("import json; from detpipe.data.convert import convert; from detpipe.params import Convert; "
             "convert(sys.argv[1], sys.argv[2], Convert(annotations='annotations/instances_train2017.json', "
-            "images='train2017', val_fraction=0.2, seed=0, workers=1), progress=False)")
+            "images='train2017', val_fraction=0.2, seed=0, workers=1), progress=False, label_plots=sys.argv[3])")
 _WHOLE = "from pathlib import Path; from detpipe.data.coco_reader import load_json; load_json(Path(sys.argv[1]))"
 
 
@@ -56,7 +57,8 @@ def test_large_json_converts_under_a_memory_limit(tmp_path):
     ann = raw / "annotations/instances_train2017.json"
     assert ann.stat().st_size > 75e6
     out = tmp_path / "arrow"
-    done = run([sys.executable, "-c", _LIMITED + _CONVERT, str(LIMIT_MB), str(raw), str(out)], tmp_path,
+    labels = tmp_path / "plots/labels"
+    done = run([sys.executable, "-c", _LIMITED + _CONVERT, str(LIMIT_MB), str(raw), str(out), str(labels)], tmp_path,
                check=False, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     meta = json.loads((out / "meta.json").read_text())
@@ -64,6 +66,9 @@ def test_large_json_converts_under_a_memory_limit(tmp_path):
     assert sum(s["annotations"] for s in meta["splits"].values()) == IMAGES * ANNS
     report = json.loads((out / "report.json").read_text())
     assert {rule: v["count"] for rule, v in report["rules"].items() if v["count"]} == {}
+    # the label statistics, counted under the same limit, cover every train box
+    classes = json.loads((labels / "instances.json").read_text())["instances"]
+    assert sum(c["instances"] for c in classes) == meta["splits"]["train"]["annotations"]
     with pa.memory_map(str(out / meta["splits"]["val"]["shards"][0])) as src:
         row = pa.ipc.open_file(src).get_batch(0).slice(0, 1).to_pylist()[0]
     assert row["ann_id"] == [(row["image_id"] - 1) * ANNS + j + 1 for j in range(ANNS)]
