@@ -5,7 +5,8 @@ the trainer's ``run_step`` puts the losses and timings; `MetricsHook` writes the
 `ProgressHook` shows the latest values, `CheckpointHook` saves everything once an iteration is complete (at the
 next ``before_step``, or ``after_train`` for the last). One rule of order: `EvalHook` is given the `EMAHook` and
 evaluates its weights after each step, so the `EMAHook` must come before it in the list (`EvalHook.before_train`
-checks it); no other hook depends on another's position.
+checks it); no other hook depends on another's position. `TrainBatchPlotHook` draws the first batch the trainer
+loads (``after_load``) to ``plots/train_batch.png``.
 """
 from __future__ import annotations
 
@@ -258,3 +259,47 @@ class ProgressHook(HookBase):
     def after_train(self) -> None:
         if self.progress is not None:
             self.progress.close()
+
+
+class TrainBatchPlotHook(HookBase):
+    """Draws what the model is fed: rank 0's first batch of a fresh run (iteration 0, epoch 0), exactly as the
+    loader yielded it to ``run_step`` (``after_load``: after augmentation, before the forward pass), with its
+    boxes (and masks) over the images, tiled into one PNG at ``path`` (`detpipe.engine.batch_plot.draw_batch`),
+    written atomically before the first step runs.
+
+    The PNG's bytes are the hook's checkpoint state, so a resumed run, which never sees iteration 0, writes the
+    same file again when it is missing or differs (``dvc repro`` removes the stage's outputs before it runs) and
+    draws nothing; drawing reads the batch and changes neither it nor any RNG, so training is the same with or
+    without this hook."""
+
+    def __init__(self, path: Path, label_names: list[str] | None = None, max_images: int = 16,
+                 max_side: int = 640):
+        self.path, self.label_names = Path(path), label_names
+        self.max_images, self.max_side = max_images, max_side
+        self.png: bytes | None = None
+
+    def before_train(self) -> None:
+        if self.trainer.rank == 0 and self.png is not None and \
+                (not self.path.is_file() or self.path.read_bytes() != self.png):
+            self._write("from the checkpoint: drawn at iteration 0 of this training")
+
+    def after_load(self, batch: list) -> None:
+        if self.trainer.rank != 0 or self.trainer.iter != 0 or self.png is not None:
+            return
+        from detpipe.engine.batch_plot import draw_batch, encode_png
+
+        self.png = encode_png(draw_batch(batch, self.label_names, self.max_images, self.max_side))
+        self._write("the first training batch as the model is fed")
+
+    def _write(self, what: str) -> None:
+        from detpipe.files import atomic_write_bytes
+
+        atomic_write_bytes(self.path, self.png)
+        log.info("wrote %s (%s)", self.path, what)
+
+    def state_dict(self) -> dict:
+        return {} if self.png is None else {"png": torch.frombuffer(bytearray(self.png), dtype=torch.uint8)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "png" in state:
+            self.png = state["png"].numpy().tobytes()

@@ -4,7 +4,8 @@ the `EventStorage` through which hooks exchange values.
 The loop (`TrainerBase.train`) is short::
 
     before_train
-    for each iteration: before_step, run_step, after_step, storage.step()
+    for each iteration: before_step, run_step (loads the input, after_load, forward/backward), after_step,
+                        storage.step()
     after_train          (in ``finally``: also after an error or an interrupt)
 
 Every cross-cutting concern (LR schedule, EMA, evaluation, checkpoints, metrics, progress) is a `HookBase`.
@@ -88,6 +89,9 @@ class HookBase:
 
     - ``before_train``: once, after a checkpoint (if any) was loaded and before the first iteration.
     - ``before_step``: before each iteration's ``run_step``; ``trainer.iter`` is that iteration (0-based).
+    - ``after_load(batch)``: inside ``run_step``, once the iteration's input is loaded and before the forward pass
+      (`TrainerBase.loaded`): ``batch`` is this rank's list of micro-batches ``(images, targets)``, the very
+      objects the model is then given; a hook reads them and must not modify them.
     - ``after_step``: after ``run_step`` and before ``trainer.iter`` advances; the iteration's values are in
       ``trainer.storage`` (`EventStorage.latest`).
     - ``after_train``: once, in a ``finally``: also when a step raised or the run was interrupted, so it must
@@ -119,6 +123,9 @@ class HookBase:
 
     def before_step(self) -> None:
         """Called before each iteration's ``run_step``."""
+
+    def after_load(self, batch: list) -> None:
+        """Called inside each iteration's ``run_step`` with its loaded input, before the forward pass."""
 
     def after_step(self) -> None:
         """Called after each iteration's ``run_step``."""
@@ -167,8 +174,13 @@ class TrainerBase:
                 h.after_train()
 
     def run_step(self) -> None:
-        """One iteration of training."""
+        """One iteration of training; it calls `loaded` with its input before the forward pass."""
         raise NotImplementedError
+
+    def loaded(self, batch: list) -> None:
+        """Hand the current iteration's loaded input to every hook's ``after_load`` (called by `run_step`)."""
+        for h in self.hooks:
+            h.after_load(batch)
 
     def hooks_state(self) -> dict:
         """``{hook class name: hook.state_dict()}`` for the checkpoint."""

@@ -33,9 +33,10 @@ from detpipe.engine.distributed import setup_distributed
 from detpipe.engine.elastic import EpochPlan, record_samples
 from detpipe.engine.train_loop import HookBase, TrainerBase
 from detpipe.errors import Interrupted, StageError, received_signal
-from detpipe.engine.hooks import CheckpointHook, EMAHook, EvalHook, LRScheduleHook, MetricsHook, ProgressHook
+from detpipe.engine.hooks import (CheckpointHook, EMAHook, EvalHook, LRScheduleHook, MetricsHook, ProgressHook,
+                                  TrainBatchPlotHook)
 from detpipe.models import build_detector, load_weights
-from detpipe.paths import ARROW_META, CACHE_DIR, CKPT_DIR, LIVE_DIR, MODEL as MODEL_OUT
+from detpipe.paths import ARROW_META, CACHE_DIR, CKPT_DIR, LIVE_DIR, MODEL as MODEL_OUT, TRAIN_BATCH_PLOT
 
 log = logging.getLogger("detpipe.engine.trainer")
 
@@ -120,6 +121,7 @@ class Trainer(TrainerBase):
         micro = next(self._data)
         record_samples(self.iter, self.plan.locate(self.iter)[0], self.rank, self.world_size, micro)
         data_time = time.perf_counter() - t0
+        self.loaded(micro)
         self.optimizer.zero_grad(set_to_none=True)
         total, terms, bad = 0.0, {}, False
         for k, (images, targets) in enumerate(micro):
@@ -205,9 +207,11 @@ def weights_digest(model: torch.nn.Module) -> str:
 
 
 def build_trainer(cfg: params_mod.Train, cache_dir: Path = CACHE_DIR, arrow_meta: Path = ARROW_META,
-                  ckpt_dir: Path = CKPT_DIR, live_dir: str = LIVE_DIR, extra_hooks: tuple[HookBase, ...] = ()) -> Trainer:
+                  ckpt_dir: Path = CKPT_DIR, live_dir: str = LIVE_DIR, extra_hooks: tuple[HookBase, ...] = (),
+                  batch_plot: Path | None = None) -> Trainer:
     """Set up this process (distributed group, threads, seeds) and build the `Trainer` with its hooks (LR
-    schedule, EMA, evaluation, metrics, checkpoints, progress, then ``extra_hooks``).
+    schedule, EMA, evaluation, metrics, checkpoints, progress, the first batch drawn to ``batch_plot`` unless it
+    is None (`TrainBatchPlotHook`), then ``extra_hooks``).
     Raises:
         StageError: missing inputs, unknown model, unusable weights.
     """
@@ -243,15 +247,20 @@ def build_trainer(cfg: params_mod.Train, cache_dir: Path = CACHE_DIR, arrow_meta
         hooks.append(EvalHook(cfg.eval_every, make_eval_fn(cache_root, Path(arrow_meta)),
                               Path(ckpt_dir) / "best.pt", config, ema))
     hooks += [MetricsHook(live_dir), CheckpointHook(ckpt_dir, cfg.checkpoint_every, cfg.keep_last),
-              ProgressHook(cfg.log_every_s), *extra_hooks]
+              ProgressHook(cfg.log_every_s)]
+    if batch_plot is not None:
+        hooks.append(TrainBatchPlotHook(batch_plot, read_meta(arrow_meta)["label_names"]))
+    hooks += extra_hooks
     fp = fingerprint(cfg, cache_meta_bytes, Path(arrow_meta).read_bytes())
     return Trainer(model, optimizer, dataset, cfg, device, rank, world, config=config, fingerprint=fp, hooks=hooks)
 
 
 def train(cfg: params_mod.Train, cache_dir: Path = CACHE_DIR, arrow_meta: Path = ARROW_META,
-          ckpt_dir: Path = CKPT_DIR, model_out: Path = MODEL_OUT, live_dir: str = LIVE_DIR) -> Trainer:
+          ckpt_dir: Path = CKPT_DIR, model_out: Path = MODEL_OUT, live_dir: str = LIVE_DIR,
+          batch_plot: Path | None = TRAIN_BATCH_PLOT) -> Trainer:
     """Train per ``cfg`` (one process of a torchrun job, or a single process), resuming from a matching
-    checkpoint per ``train.resume``, and write ``model_out`` (rank 0).
+    checkpoint per ``train.resume``, and write ``model_out`` (rank 0) and the first batch drawn, ``batch_plot``
+    (`TrainBatchPlotHook`; None: not drawn).
 
     Raises:
         StageError: missing inputs, unknown model, unusable weights, too many non-finite steps, ranks whose
@@ -259,7 +268,7 @@ def train(cfg: params_mod.Train, cache_dir: Path = CACHE_DIR, arrow_meta: Path =
         Interrupted: SIGTERM/SIGINT during training, its ``detail`` naming the iteration and the newest
         checkpoint (which is complete: checkpoints are written atomically).
     """
-    trainer = build_trainer(cfg, cache_dir, arrow_meta, ckpt_dir, live_dir)
+    trainer = build_trainer(cfg, cache_dir, arrow_meta, ckpt_dir, live_dir, batch_plot=batch_plot)
     rank, model, ema, max_iter = trainer.rank, trainer.module, trainer.ema, trainer.max_iter
     state = find_resume_state(cfg.resume, trainer.fingerprint, ckpt_dir) if rank == 0 else None
     if trainer.distributed:
