@@ -139,7 +139,7 @@ class Train(_Section):
     num_workers: int = Field(default=0, ge=0, description='DataLoader worker processes per training process.')
     checkpoint_every: int = Field(default=20, ge=1, description='Iterations between checkpoints (and one at the end).')
     keep_last: int = Field(default=2, ge=1, description='Checkpoints kept (older ones deleted).')
-    resume: Literal["auto", "never", "must"] = Field(default="auto", description='auto: resume from the newest matching checkpoint; never: start fresh; must: fail without one.')
+    resume: Literal["auto", "restart", "never", "must"] = Field(default="auto", description='auto: continue from the newest checkpoint of the same training (same params but the schedule keys of SCHEDULE, same data), the lr schedule re-planned from its iteration for changed schedule keys (docs/train.md, "Continuing a run"); restart: resume only a checkpoint of identical params, else start fresh; never: start fresh; must: as auto, but fail without such a checkpoint.')
     amp: Literal["off", "bf16", "fp16"] = Field(default="off", description='Mixed precision: off, bf16 (autocast) or fp16 (autocast + grad scaler on CUDA).')
     max_bad_steps: int = Field(default=5, ge=0, description='Non-finite-loss steps skipped before training stops with an error.')
     threads: int = Field(default=0, ge=0, description='torch intra-op threads per process; 0 = cores / nproc_per_node.')
@@ -198,6 +198,14 @@ LAUNCH_ONLY = frozenset({"nnodes", "rdzv_endpoint", "max_restarts", "rdzv_id", "
 """`Train` fields that only say how the job is launched (torchrun, rendezvous, Slurm, Kubernetes, the collective
 timeout, the network interface): they change neither what is trained nor its result, so a checkpoint made with other
 values resumes (`detpipe.engine.trainer.fingerprint` leaves them out)."""
+
+SCHEDULE = frozenset({"epochs", "lr", "base_batch_size", "schedule", "milestones", "gamma", "warmup_iters",
+                      "weight_decay", "ema_decay"})
+"""`Train` fields that only change the *schedule* of a training, not which training it is: a checkpoint made with
+other values of these is continued by ``train.resume: auto`` (model, optimizer, scaler, EMA, sampler and RNG state
+kept; the lr from the checkpoint's iteration on follows the plan for the new values: `detpipe.engine.hooks.lr_factor`
+over the new total). Every other result-changing field (model, classes through the data, resize, augmentation,
+seed, batch composition, precision, momentum) makes another training (`detpipe.engine.trainer.fingerprint`)."""
 
 class Evaluate(_Section):
     batch_size: int = Field(default=16, ge=1, description='Images per forward pass.')

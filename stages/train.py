@@ -12,9 +12,10 @@ Outputs: ``checkpoints/ckpt-NNNNNNN.pt`` (kept across runs: ``persist: true`` in
 (``{"model": state_dict, "config": {...}}`` for the evaluate and export stages), ``dvclive/`` (training
 curves). A checkpoint holds model, optimizer, grad scaler, every hook's state, the iteration (hence the
 sampler's position in its epoch) and every rank's RNG states, plus a fingerprint of the params and data
-that produced it: ``train.resume: auto`` resumes from the newest checkpoint with the same fingerprint and
-otherwise starts fresh, saying why; ``never`` always starts fresh; ``must`` stops with an error when there
-is nothing to resume.
+that produced it: ``train.resume: auto`` resumes from the newest checkpoint of the same training, continues it
+when only schedule keys changed and they add epochs (``dvc exp run -S train.epochs=<more>``: docs/train.md,
+"Continuing a run"), and otherwise starts fresh, saying why; ``restart`` resumes identical params only; ``never``
+always starts fresh; ``must`` stops with an error when there is nothing to resume.
 
 The work itself is `detpipe.engine.trainer.train`. Without a terminal, a progress line (iteration/total, epoch, loss, lr,
 images/s, ETA) is logged every ``train.log_every_s`` seconds. SIGTERM or SIGINT stops training with one line
@@ -61,6 +62,9 @@ def main(argv: list[str] | None = None) -> None:
         if args.emit:
             jobs.write_job(cfg, args.emit, args.out)
         else:
+            from detpipe.engine.trainer import check_resume
+
+            check_resume(cfg)  # a resume every worker would refuse: one line here, no restarted workers
             jobs.check_and_launch(cfg)
 
 

@@ -14,7 +14,7 @@ from detpipe.files import atomic_open
 
 log = logging.getLogger("detpipe.engine.checkpoints")
 
-FORMAT = 2  # 2: the trainer's EventStorage holds the metric rows (1: MetricsHook did)
+FORMAT = 3  # 3: the fingerprint leaves out the schedule keys, stored apart as "schedule" (2: it covered them; the trainer's EventStorage holds the metric rows; 1: MetricsHook did)
 _CKPT_RE = re.compile(r"^ckpt-(\d{7})\.pt$")
 
 
@@ -63,18 +63,52 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def find_resume_state(resume: str, fingerprint: str, ckpt_dir: Path | str) -> dict | None:
-    """The newest readable checkpoint in ``ckpt_dir`` of this `FORMAT` made with ``fingerprint``, per
-    ``train.resume`` (``auto``, ``never``, ``must``).
+def find_resume_state(resume: str, fingerprint: str, ckpt_dir: Path | str, schedule: dict | None = None) -> dict | None:
+    """The checkpoint to resume or continue per `resume_decision`, or None to start fresh: then the checkpoints in
+    ``ckpt_dir`` are deleted, and the reason logged. Temporary files of a save interrupted by a kill are removed
+    first.
 
-    Temporary files of a save interrupted by a kill are removed first. Returns the loaded checkpoint dict, or
-    None to start fresh (checkpoints of other params are then deleted, and the reason logged).
     Raises:
-        StageError: ``resume == "must"`` and no matching checkpoint.
+        StageError: as `resume_decision`.
     """
     ckpt_dir = Path(ckpt_dir)
     for stale in ckpt_dir.glob(".ckpt-*.tmp-*"):
         stale.unlink(missing_ok=True)
+    state, message = resume_decision(resume, fingerprint, ckpt_dir, schedule)
+    if state is not None:
+        log.info("%s", message)
+        return state
+    ckpts = list_checkpoints(ckpt_dir)
+    if ckpts:
+        log.info("starting fresh: %s; removing %d old checkpoint(s)", message, len(ckpts))
+        for p in ckpts:
+            p.unlink(missing_ok=True)
+    else:
+        log.info("starting fresh: %s", message)
+    return None
+
+
+def resume_decision(resume: str, fingerprint: str, ckpt_dir: Path | str,
+                    schedule: dict | None = None) -> tuple[dict | None, str]:
+    """What ``train.resume`` makes of the checkpoints in ``ckpt_dir`` (nothing is changed there): the newest readable
+    checkpoint of this `FORMAT` made with ``fingerprint`` (the same training: `detpipe.engine.trainer.fingerprint`)
+
+    - resumes when its ``schedule`` (the schedule keys' values, `detpipe.engine.trainer.schedule_params`) equals
+      ``schedule`` (``auto``, ``restart``, ``must``);
+    - with another schedule and ``auto`` or ``must``, is *continued* when the new ``epochs`` leave iterations after
+      it; when it finished its own schedule and the new one adds no epoch, it is another training (start fresh: the
+      usual ``dvc exp run -S train.lr=...`` after a finished run); when it had not finished and the new ``epochs``
+      end before its iteration, StageError;
+    - with another schedule and ``restart``: start fresh. ``never``: always start fresh.
+
+    Returns:
+        ``(checkpoint dict, "resuming from <path> (iteration N)" / "continuing from ...")``, or ``(None, why
+        to start fresh)``.
+    Raises:
+        StageError: ``resume == "must"`` and nothing to resume or continue; an unfinished checkpoint whose training
+        the new ``epochs`` would end before its iteration (one line, with what to change).
+    """
+    ckpt_dir = Path(ckpt_dir)
     ckpts = list_checkpoints(ckpt_dir)
     if resume == "never":
         reason = "train.resume is 'never'"
@@ -87,22 +121,39 @@ def find_resume_state(resume: str, fingerprint: str, ckpt_dir: Path | str) -> di
             except Exception as e:  # truncated or foreign file: try the previous one
                 log.warning("%s: unreadable checkpoint (%s), trying an older one", path, e)
                 continue
-            if state.get("fingerprint") == fingerprint and state.get("format") == FORMAT:
-                log.info("resuming from %s (iteration %d)", path, state["iter"])
-                return state
-            reason = (f"{path} was made with other training params or data (fingerprint "
-                      f"{str(state.get('fingerprint'))[:12]} != {fingerprint[:12]})"
-                      if state.get("fingerprint") != fingerprint else
-                      f"{path} has checkpoint format {state.get('format')}, this trainer writes {FORMAT}")
+            same = state.get("fingerprint") == fingerprint and state.get("format") == FORMAT
+            changed = schedule_changes(state.get("schedule"), schedule) if same and schedule is not None else ""
+            if same and not changed:
+                return state, f"resuming from {path} (iteration {state['iter']})"
+            if same and resume != "restart":
+                # a continuation, if the new schedule leaves iterations to train after this checkpoint
+                epoch, start = int(state["sampler"]["epoch"]), int(state["sampler"]["start"])
+                if epoch < schedule["epochs"]:
+                    return state, f"continuing from {path} (iteration {state['iter']}, epoch {epoch + 1})"
+                if epoch != state["schedule"]["epochs"] or start > 0:
+                    raise StageError(f"train.epochs={schedule['epochs']} is fewer epochs than {path} has already "
+                                     f"trained (iteration {state['iter']}, in epoch {epoch + 1} of its "
+                                     f"{state['schedule']['epochs']}): raise train.epochs, or set train.resume: "
+                                     f"restart to train from scratch")
+                reason = (f"{path} finished its schedule and the new one ({changed}) adds no epoch to it: "
+                          f"another training")
+            elif same:
+                reason = f"{path} was made with another schedule ({changed}) and train.resume is 'restart'"
+            elif state.get("fingerprint") != fingerprint:
+                reason = (f"{path} was made with other training params or data (fingerprint "
+                          f"{str(state.get('fingerprint'))[:12]} != {fingerprint[:12]})")
+            else:
+                reason = f"{path} has checkpoint format {state.get('format')}, this trainer writes {FORMAT}"
             break
         else:
             reason = f"no readable checkpoint in {ckpt_dir}/"
     if resume == "must":
         raise StageError(f"train.resume is 'must' but there is nothing to resume: {reason}")
-    if ckpts:
-        log.info("starting fresh: %s; removing %d old checkpoint(s)", reason, len(ckpts))
-        for p in ckpts:
-            p.unlink(missing_ok=True)
-    else:
-        log.info("starting fresh: %s", reason)
-    return None
+    return None, reason
+
+
+def schedule_changes(old: dict | None, new: dict | None) -> str:
+    """``"epochs 2 -> 4, lr 0.01 -> 0.02"``: the keys whose values differ between two schedule dicts
+    (`detpipe.engine.trainer.schedule_params`; None counts as {}); "" when none differ."""
+    old, new = old or {}, new or {}
+    return ", ".join(f"{k} {old.get(k)} -> {new.get(k)}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k))

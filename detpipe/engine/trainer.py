@@ -26,7 +26,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from detpipe import params as params_mod
-from detpipe.engine.checkpoints import FORMAT, find_resume_state, list_checkpoints, rng_state, save_atomic, set_rng_state
+from detpipe.engine.checkpoints import (FORMAT, find_resume_state, list_checkpoints, resume_decision, rng_state,
+                                       save_atomic, schedule_changes, set_rng_state)
 from detpipe.data.dataset import CachedDetectionDataset, ResumableDistributedSampler, micro_batches, uses_masks
 from detpipe.data.meta import read_meta
 from detpipe.engine.distributed import setup_distributed
@@ -48,12 +49,40 @@ _NOT_IN_FINGERPRINT = {"resume", "keep_last", "checkpoint_every", "num_workers",
 
 
 def fingerprint(cfg: params_mod.Train, cache_meta: bytes, arrow_meta: bytes) -> str:
-    """sha256 over the training params that affect the result and the data's meta files (hex)."""
-    relevant = {k: v for k, v in cfg.model_dump().items() if k not in _NOT_IN_FINGERPRINT}
+    """Which training a checkpoint belongs to: sha256 (hex) over the training params that affect the result, except
+    the schedule keys (`detpipe.params.SCHEDULE`: a checkpoint with other values of those is the same training,
+    continued with another schedule: `schedule_params`), and the data's meta files (bytes)."""
+    relevant = {k: v for k, v in cfg.model_dump().items()
+                if k not in _NOT_IN_FINGERPRINT and k not in params_mod.SCHEDULE}
     h = hashlib.sha256(json.dumps(relevant, sort_keys=True).encode())
     h.update(cache_meta)
     h.update(arrow_meta)
     return h.hexdigest()
+
+
+def schedule_params(cfg: params_mod.Train) -> dict:
+    """The schedule keys of ``cfg`` (`detpipe.params.SCHEDULE`) and their values, as a checkpoint stores them."""
+    return {k: v for k, v in cfg.model_dump().items() if k in params_mod.SCHEDULE}
+
+
+def check_resume(cfg: params_mod.Train, cache_dir: Path = CACHE_DIR, arrow_meta: Path = ARROW_META,
+                 ckpt_dir: Path = CKPT_DIR) -> None:
+    """The launcher's check of ``train.resume`` against ``ckpt_dir`` (`resume_decision`, nothing changed there),
+    before any worker starts: a run that every worker would refuse (``must`` with nothing to resume, fewer epochs
+    than an unfinished checkpoint has trained) stops with its one line instead of failing in each restarted worker.
+
+    Raises:
+        StageError: as `detpipe.engine.checkpoints.resume_decision`; missing meta files.
+    """
+    from detpipe.data.meta import read_cache_meta_bytes
+
+    if cfg.resume == "never":
+        return
+    arrow_meta = Path(arrow_meta)
+    if not arrow_meta.is_file():
+        return  # the launcher's input checks name it
+    fp = fingerprint(cfg, read_cache_meta_bytes(cfg.cache_url or str(cache_dir)), arrow_meta.read_bytes())
+    resume_decision(cfg.resume, fp, ckpt_dir, schedule_params(cfg))
 
 
 class Trainer(TrainerBase):
@@ -159,8 +188,8 @@ class Trainer(TrainerBase):
         at_next = copy.copy(self.sampler)  # the live sampler is being iterated: leave it alone
         at_next.set_epoch(*self.plan.locate(done))
         sampler_state = at_next.state_dict(consumed=0)  # where the next iteration starts reading
-        return {"format": FORMAT, "iter": done, "fingerprint": self.fingerprint, "world_size": self.world_size,
-                "sampler": sampler_state,
+        return {"format": FORMAT, "iter": done, "fingerprint": self.fingerprint, "schedule": schedule_params(self.cfg),
+                "world_size": self.world_size, "sampler": sampler_state,
                 "model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "scaler": self.scaler.state_dict(), "storage": self.storage.state_dict(),
                 "hooks": self.hooks_state(), "trainer": {"bad_steps": self.bad_steps}, "rng": rngs}
@@ -170,6 +199,8 @@ class Trainer(TrainerBase):
         Raises `StageError` when the checkpoint's sampler does not match this run's."""
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
+        for g in self.optimizer.param_groups:  # a schedule key: a continuation takes this run's (lr: LRScheduleHook)
+            g["weight_decay"] = self.cfg.weight_decay
         self.scaler.load_state_dict(state["scaler"])
         self.storage.load_state_dict(state["storage"])
         self.load_hooks_state(state["hooks"])
@@ -270,7 +301,8 @@ def train(cfg: params_mod.Train, cache_dir: Path = CACHE_DIR, arrow_meta: Path =
     """
     trainer = build_trainer(cfg, cache_dir, arrow_meta, ckpt_dir, live_dir, batch_plot=batch_plot)
     rank, model, ema, max_iter = trainer.rank, trainer.module, trainer.ema, trainer.max_iter
-    state = find_resume_state(cfg.resume, trainer.fingerprint, ckpt_dir) if rank == 0 else None
+    schedule = schedule_params(cfg)
+    state = find_resume_state(cfg.resume, trainer.fingerprint, ckpt_dir, schedule) if rank == 0 else None
     if trainer.distributed:
         box = [state]
         dist.broadcast_object_list(box, src=0)
@@ -279,6 +311,12 @@ def train(cfg: params_mod.Train, cache_dir: Path = CACHE_DIR, arrow_meta: Path =
     if state is not None:
         trainer.load_checkpoint_state(state)
         start_iter, max_iter = int(state["iter"]), trainer.max_iter  # elastic: max_iter follows the world size
+        changed = schedule_changes(state["schedule"], schedule)
+        if changed and rank == 0:
+            log.info("continuing the training of checkpoint iteration %d with another schedule (%s): kept the model, "
+                     "optimizer moments, grad scaler, EMA, sampler position and RNG states; re-planned: iterations "
+                     "%d..%d follow the lr schedule planned for %d iterations (docs/train.md, 'Continuing a run')",
+                     start_iter, changed, start_iter, max_iter, max_iter)
     elif rank == 0 and Path(live_dir).exists():
         shutil.rmtree(live_dir)
     log.info("rank %d/%d on %s: %d images, %d iterations/epoch, iterations %d..%d", rank, trainer.world_size,
@@ -299,7 +337,8 @@ def train(cfg: params_mod.Train, cache_dir: Path = CACHE_DIR, arrow_meta: Path =
     if rank == 0:
         weights = ema.weights() if ema else model.state_dict()
         save_atomic({"model": weights, "config": trainer.config, "iters": max_iter, "ema": bool(ema),
-                     "fingerprint": trainer.fingerprint, "params": cfg.model_dump()}, Path(model_out))
+                     "fingerprint": trainer.fingerprint, "schedule": schedule, "params": cfg.model_dump()},
+                    Path(model_out))
         log.info("wrote %s after %d iterations%s", model_out, max_iter, " (EMA weights)" if ema else "")
     if trainer.distributed:
         dist.barrier()

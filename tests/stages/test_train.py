@@ -4,6 +4,7 @@ from __future__ import annotations
 import csv
 import datetime
 import json
+import random
 import re
 import shutil
 import signal
@@ -12,13 +13,14 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
 
 from support.pipeline import (assert_same_training_state, checkpoint_iterations, checkpoints, kill9_training_after,
                               stage_cli, stage_in_background, write_params)
-from support.procs import stage_env
+from support.procs import run, stage_env
 
 
 def test_train_outputs(trained_workdir):
@@ -135,16 +137,116 @@ def test_resume_rules(trained_workdir, tmp_path):
     after = torch.load(work / "models/model.pt", weights_only=True)
     assert [p.name for p in checkpoints(work)] == ckpts and after["iters"] == before["iters"]
     assert all(torch.equal(after["model"][k], v) for k, v in before["model"].items())
-    # other params + must: a clear one-line error, exit 2
-    write_params(work, {"train": {"lr": 0.02, "resume": "must"}})
+    # another training (seed: not a schedule key) + must: a clear one-line error, exit 2
+    write_params(work, {"train": {"seed": 1, "resume": "must"}})
     must = stage_cli("train", work, check=False)
     assert must.returncode == 2
     assert "train.resume is 'must'" in must.stderr and "Traceback" not in must.stderr
-    # other params + auto: starts fresh, says why, and removes the foreign checkpoints
-    write_params(work, {"train": {"lr": 0.02, "epochs": 1}})
+    # another training + auto: starts fresh, says why, and removes the foreign checkpoints
+    write_params(work, {"train": {"seed": 1, "epochs": 1}})
     fresh = stage_cli("train", work)
     assert "starting fresh" in fresh.stderr and "other training params" in fresh.stderr
     assert [p.name for p in checkpoints(work)] == ["ckpt-0000002.pt"]
+    # a finished run, another lr and no epoch added (a `dvc exp run -S train.lr=...`): another training
+    write_params(work, {"train": {"seed": 1, "epochs": 1, "lr": 0.02}})
+    other_lr = stage_cli("train", work)
+    assert "starting fresh" in other_lr.stderr, other_lr.stderr[-3000:]
+    assert "finished its schedule and the new one (lr 0.01 -> 0.02) adds no epoch" in other_lr.stderr
+    # resume: restart starts fresh on any schedule change, more epochs included
+    write_params(work, {"train": {"seed": 1, "epochs": 2, "lr": 0.02, "resume": "restart"}})
+    restart = stage_cli("train", work)
+    assert "another schedule (epochs 1 -> 2) and train.resume is 'restart'" in restart.stderr, restart.stderr[-3000:]
+    assert torch.load(work / "models/model.pt", weights_only=True)["iters"] == 4
+
+
+def _samples(folder: Path) -> dict[int, list[int]]:
+    """iteration -> image ids trained on, from the `DETPIPE_SAMPLE_LOG` files in ``folder`` (one rank)."""
+    rows = [json.loads(line) for f in sorted(folder.glob("*.jsonl")) for line in f.read_text().splitlines()]
+    return {r["iter"]: sorted(r["image_ids"]) for r in rows}
+
+
+@pytest.mark.slow
+def test_a_longer_schedule_continues_the_training(request, cached_workdir, tmp_path):
+    """A run of 1 epoch (4 iterations of 2 images, checkpoints every iteration, EMA), cut back to its checkpoint
+    at iteration 2 (mid-epoch), continued with 3 epochs, another lr and EMA decay (schedule keys only):
+    - the continuation logs what it kept and re-planned, and trains exactly iterations 2..11;
+    - what its first step starts from is the checkpoint's: weights, SGD momentum buffers, EMA, RNG states (tensors);
+    - epoch 0 goes on with the very samples the first run had at iterations 2 and 3, and every later epoch has
+      each sample at most once;
+    - its lr rows (DVCLive) are the first run's plan before iteration 2 and the new plan (0.02 x `lr_factor` over
+      12 iterations) from there on;
+    - a continuation killed at iteration 5 and run again ends bit-identical to the uninterrupted one;
+    - the same checkpoints with train.epochs=1 (fewer than the killed one had started): a one-line error."""
+    from detpipe import params as params_mod
+    from detpipe.engine.checkpoints import find_resume_state
+    from detpipe.engine.hooks import lr_factor
+    from detpipe.engine.trainer import build_trainer, schedule_params
+
+    base = {"epochs": 1, "batch_size": 2, "checkpoint_every": 1, "keep_last": 20, "ema": True}
+    for folder in ("s_first", "s_a"):
+        (tmp_path / folder).mkdir()
+    first = _copy(cached_workdir, tmp_path / "first", {"train": base})
+    run([sys.executable, "-m", "stages.train"], first, env={"DETPIPE_SAMPLE_LOG": str(tmp_path / "s_first")})
+    assert checkpoint_iterations(first) == [1, 2, 3, 4]
+    more = {"train": {**base, "epochs": 3, "lr": 0.02, "ema_decay": 0.99}}
+    works = []
+    for name in ("a", "b"):
+        work = _copy(cached_workdir, tmp_path / name, more)
+        shutil.copytree(first / "checkpoints", work / "checkpoints")
+        shutil.copytree(first / "dvclive", work / "dvclive")
+        for p in checkpoints(work)[2:]:
+            p.unlink()
+        works.append(work)
+    a, b = works
+
+    # the state the continuation starts from, in this process (its threads and RNG states restored after)
+    threads, rngs = torch.get_num_threads(), (random.getstate(), np.random.get_state(), torch.get_rng_state())
+    request.addfinalizer(lambda: (torch.set_num_threads(threads), random.setstate(rngs[0]),
+                                  np.random.set_state(rngs[1]), torch.set_rng_state(rngs[2])))
+    cfg = params_mod.load("train", a / "params.yaml")
+    ckpt = torch.load(checkpoints(a)[-1], weights_only=True)
+    trainer = build_trainer(cfg, a / "data/cache", a / "data/arrow/meta.json", a / "checkpoints", str(tmp_path / "dl"))
+    state = find_resume_state(cfg.resume, trainer.fingerprint, a / "checkpoints", schedule_params(cfg))
+    assert state["iter"] == 2
+    trainer.load_checkpoint_state(state)
+    assert all(torch.equal(v, ckpt["model"][k]) for k, v in trainer.module.state_dict().items())
+    moments = trainer.optimizer.state_dict()["state"]
+    assert len(moments) > 0 and all(torch.equal(moments[k]["momentum_buffer"], ckpt["optimizer"]["state"][k]["momentum_buffer"])
+                                    for k in moments)
+    assert all(g["weight_decay"] == cfg.weight_decay for g in trainer.optimizer.param_groups)
+    saved_ema = ckpt["hooks"]["EMAHook"]["ema"]
+    assert all(torch.equal(v, saved_ema[k]) for k, v in trainer.ema.ema.state_dict().items())
+    assert torch.equal(torch.get_rng_state(), ckpt["rng"][0]["torch"])
+    del trainer
+
+    with stage_in_background("train", a, env={"DETPIPE_SAMPLE_LOG": str(tmp_path / "s_a")}) as proc:
+        kill9_training_after(b, iteration=5)
+        shutil.copytree(b, tmp_path / "c", ignore=shutil.ignore_patterns("dvclive"))
+    log = proc.output
+    assert ("continuing the training of checkpoint iteration 2 with another schedule (ema_decay 0.9998 -> 0.99, "
+            "epochs 1 -> 3, lr 0.01 -> 0.02)") in log, log[-3000:]
+    assert "iterations 2..12 follow the lr schedule planned for 12 iterations" in log
+    s_first, s_a = _samples(tmp_path / "s_first"), _samples(tmp_path / "s_a")
+    assert sorted(s_a) == list(range(2, 12))                      # exactly the added iterations
+    assert [s_a[2], s_a[3]] == [s_first[2], s_first[3]]           # epoch 0 goes on where it was cut
+    for epoch in (1, 2):
+        ids = [i for it in range(4 * epoch, 4 * epoch + 4) for i in s_a[it]]
+        assert len(ids) == 8 == len(set(ids)), (epoch, ids)
+    rows = list(csv.DictReader(open(a / "dvclive/plots/metrics/train/lr.tsv"), delimiter="\t"))
+    assert [int(r["step"]) for r in rows] == list(range(1, 13))
+    expected = [0.01 * lr_factor(it, 4, 1) if it < 2 else 0.02 * lr_factor(it, 12, 1) for it in range(12)]
+    assert [float(r["lr"]) for r in rows] == pytest.approx(expected, rel=1e-9, abs=0)
+    assert torch.load(a / "models/model.pt", weights_only=True)["iters"] == 12
+
+    resumed = stage_cli("train", b)
+    assert "resuming from checkpoints/ckpt-00000" in resumed.stderr
+    assert assert_same_training_state(checkpoints(a)[-1], checkpoints(b)[-1]) == 12
+
+    write_params(tmp_path / "c", {"train": {**base, "epochs": 1, "lr": 0.02, "ema_decay": 0.99}})
+    fewer = stage_cli("train", tmp_path / "c", check=False)
+    errors = [line for line in fewer.stderr.splitlines() if line.startswith("error:")]
+    assert fewer.returncode == 2 and len(errors) == 1 and "Traceback" not in fewer.stderr, fewer.stderr[-3000:]
+    assert "train.epochs=1 is fewer epochs than" in errors[0] and "in epoch 2 of its 3" in errors[0], errors[0]
 
 
 def test_unknown_model_is_one_line_error(cached_workdir, tmp_path):

@@ -179,17 +179,18 @@ def elastic_workdir(cached: Path, dest: Path, train: dict) -> Path:
 
 
 @contextlib.contextmanager
-def stage_in_background(name: str, cwd: Path, timeout: float = 600) -> Iterator[subprocess.Popen]:
-    """Run ``python -m stages.<name>`` in ``cwd`` while the ``with`` block runs (an uninterrupted reference run
-    beside the one a test interrupts: with tiny params a stage keeps one core of two busy); leaving the block
-    waits for it and fails the test with its output unless it exited 0. Killed (its process group) if the
-    block raises."""
+def stage_in_background(name: str, cwd: Path, timeout: float = 600, env: dict | None = None
+                        ) -> Iterator[subprocess.Popen]:
+    """Run ``python -m stages.<name>`` in ``cwd`` (`stage_env` + ``env``) while the ``with`` block runs (an
+    uninterrupted reference run beside the one a test interrupts: with tiny params a stage keeps one core of two
+    busy); leaving the block waits for it and fails the test with its output unless it exited 0, else sets the
+    process's ``output`` (stdout and stderr merged, text). Killed (its process group) if the block raises."""
     import os
     import signal
     import tempfile
 
     with tempfile.TemporaryFile("w+") as log:
-        proc = subprocess.Popen([sys.executable, "-m", f"stages.{name}"], cwd=cwd, env=stage_env(), stdout=log,
+        proc = subprocess.Popen([sys.executable, "-m", f"stages.{name}"], cwd=cwd, env=stage_env(env), stdout=log,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
         try:
             yield proc
@@ -199,7 +200,8 @@ def stage_in_background(name: str, cwd: Path, timeout: float = 600) -> Iterator[
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         log.seek(0)
-        assert proc.returncode == 0, f"stages.{name} in {cwd} failed ({proc.returncode}):\n{log.read()[-3000:]}"
+        proc.output = log.read()
+        assert proc.returncode == 0, f"stages.{name} in {cwd} failed ({proc.returncode}):\n{proc.output[-3000:]}"
 
 
 def kill9_training_after(work: Path, iteration: int = 2, timeout_s: float = 300, die_s: float = 30) -> None:
