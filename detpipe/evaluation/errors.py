@@ -7,8 +7,14 @@ Three views, all computed by `analyze` from the ground truth and detections the 
   Errors", ECCV 2020, https://arxiv.org/abs/2008.08115; reference code ``tidecv`` 1.0.1,
   https://github.com/dbolya/tide, ``tidecv/quantify.py``): ΔAP50, how much AP50 would rise if all errors of one type
   were fixed, for six types, plus the false-positive and false-negative ΔAP (`TIDE_ERRORS`, `SPECIAL_ERRORS`);
-* a **confusion matrix** over the dataset's classes plus background (`confusion_matrix` rule below);
-* the **errors per image**, to draw the worst val images.
+* a **confusion matrix** over the dataset's classes plus background (rows ground truth, columns prediction), and
+* the **errors per image**, to draw the worst val images (`worst_images`), both from one class-agnostic matching of
+  the detections with score ≥ a threshold (the evaluate stage's ``evaluate.plot_score_threshold``): per image, in
+  the same order and cap as below, each takes the unmatched non-crowd ground truth *of any class* with the highest
+  IoU ≥ 0.5 (a diagonal cell, or off the diagonal for a wrong class); one matching none is ignored if it lies in a
+  crowd region of its class (as COCO does), else a false positive (background row); a ground truth no detection
+  took is missed (background column). Ultralytics' and mmdetection's confusion matrices also match by IoU
+  regardless of class; their assignment rules (and so some counts) differ from this greedy COCO-ordered one.
 
 Matching (`FG_IOU` = 0.5): exactly COCOeval's (pycocotools ``cocoeval.py``, ``evaluateImg`` at IoU 0.5, area
 "all", maxDets 100): per image and class, detections in descending score order (ties: input order), at most
@@ -19,7 +25,7 @@ missed and can absorb many detections). IoU is ``pycocotools.mask.iou``, as COCO
 interpolated precision, classes without non-crowd ground truth left out of the mean), so the base AP50 here is
 COCOeval's AP50 (tests/unit/test_errors.py checks it to 1e-9 on the COCO API's example detections).
 
-TIDE error types of a false positive (paper, section 2.2; tidecv ``TIDERun._eval_image``, checked in this order;
+TIDE error types of a false positive (paper, "Main Error Types"; tidecv ``TIDERun._eval_image``, checked in this order;
 IoU with non-crowd ground truth; `BG_IOU` = 0.1):
 
 * ``loc``: its highest IoU with a ground truth of its class is in [0.1, 0.5];
@@ -78,7 +84,8 @@ _FP_TYPES = TIDE_ERRORS[:5]                        # error types of a detection 
 
 @dataclass
 class ImageErrors:
-    """One val image at score ≥ the analysis' score threshold, matched class-agnostically (`confusion_matrix` rule).
+    """One val image's detections at score ≥ the analysis' score threshold, matched class-agnostically (the confusion
+    matrix's rule, module docstring).
 
     Attributes:
         image_id: the image's id.
@@ -111,7 +118,8 @@ class ErrorAnalysis:
         category_ids: the category ids in that order.
         background: the name of the matrix's last row/column (`BACKGROUND`).
         confusion: ``int64 [K+1, K+1]``: rows ground truth, columns prediction, last row/column background.
-        ap50: COCOeval's AP50 (area all, maxDets 100) recomputed from these matches, in [0, 1].
+        ap50: COCOeval's AP50 (area all, maxDets 100) recomputed from these matches, in [0, 1]; -1.0 (COCO's
+            "undefined") when no class has non-crowd ground truth, every ΔAP then 0.
         delta_ap50: error type (`TIDE_ERRORS` + `SPECIAL_ERRORS`) -> ΔAP50 in [0, 1] (×100 for tidecv's points).
         error_counts: error type (`TIDE_ERRORS`) -> how many detections (ground truths for ``miss``) have it.
         images: one `ImageErrors` per image, in ascending image id order.
@@ -371,7 +379,7 @@ def analyze_validated(dataset: dict, dets: list[dict], score_threshold: float) -
     with_gt = np.flatnonzero(num_gt > 0)
     base = _mean_ap(cls_o, tp_o, cnt_o, num_gt, with_gt)
     delta = {}
-    for t, name in enumerate(_FP_TYPES):
+    for t, name in enumerate(_FP_TYPES if with_gt.size else ()):
         hit = err_o == t
         if name in ("cls", "loc"):
             fixed_ap = _mean_ap(np.where(hit & fix_tp_o, fix_cls_o, cls_o), tp_o | (hit & fix_tp_o),
@@ -379,11 +387,14 @@ def analyze_validated(dataset: dict, dets: list[dict], score_threshold: float) -
         else:
             fixed_ap = _mean_ap(cls_o, tp_o, cnt_o & ~hit, num_gt, with_gt)
         delta[name] = max(fixed_ap - base, 0.0)
-    delta["miss"] = max(_mean_ap(cls_o, tp_o, cnt_o, num_gt - missed, with_gt) - base, 0.0)
-    # FP: true positives first within each class (scores 1 / 0), order otherwise kept
-    fp_first = np.argsort(~tp_o, kind="stable")
-    delta["FP"] = _mean_ap(cls_o[fp_first], tp_o[fp_first], cnt_o[fp_first], num_gt, with_gt) - base
-    delta["FN"] = _mean_ap(cls_o, tp_o, cnt_o, num_gt - unmatched, with_gt) - base
+    if with_gt.size:
+        delta["miss"] = max(_mean_ap(cls_o, tp_o, cnt_o, num_gt - missed, with_gt) - base, 0.0)
+        # FP: true positives first within each class (scores 1 / 0), order otherwise kept
+        fp_first = np.argsort(~tp_o, kind="stable")
+        delta["FP"] = _mean_ap(cls_o[fp_first], tp_o[fp_first], cnt_o[fp_first], num_gt, with_gt) - base
+        delta["FN"] = _mean_ap(cls_o, tp_o, cnt_o, num_gt - unmatched, with_gt) - base
+    else:       # no object to find: COCO's AP is -1 (undefined), and no error changes it
+        base, delta = -1.0, dict.fromkeys((*TIDE_ERRORS, *SPECIAL_ERRORS), 0.0)
     counts = {name: int(((err == t) & counted).sum()) for t, name in enumerate(_FP_TYPES)}
     counts["miss"] = int(missed.sum())
     background = BACKGROUND if BACKGROUND not in classes else f"({BACKGROUND})"

@@ -111,6 +111,11 @@ def test_corrupted_training_shows_its_error_type(learns_broken, broken):
     assert max(main, key=main.get) == EXPECTED_ERROR[broken], f"{broken}: {main}"
     other = "loc" if EXPECTED_ERROR[broken] == "cls" else "cls"
     assert main[EXPECTED_ERROR[broken]] > main[other]
+    if broken == "labels+1":     # the confusion matrix shows the shift: class k's objects predicted as class k+1
+        counts = json.loads((work / "plots" / "confusion_counts.json").read_text())["counts"]
+        k = len(counts) - 1      # classes in category id order = label order (`corrupt_train_cache`'s l -> l mod K + 1)
+        shifted, diagonal = sum(counts[i][(i + 1) % k] for i in range(k)), sum(counts[i][i] for i in range(k))
+        assert shifted > diagonal, f"confusion matrix {counts}: not shifted by one class"
     drawn = sorted(p.name for p in (work / "plots" / "worst_images").glob("*.png"))
     assert drawn and drawn[0].startswith("1_"), drawn     # the worst images, drawn (errors exist here)
 

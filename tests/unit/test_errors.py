@@ -194,6 +194,17 @@ def test_write_error_plots_json(gt, dets, tmp_path):
     assert list((tmp_path / "worst_images").iterdir()) == []
 
 
+def test_no_ground_truth_is_coco_undefined():
+    """No non-crowd object anywhere: AP50 -1 like COCOeval's (the stage compares the two), every ΔAP 0, the
+    detections in the background row."""
+    gt = _dataset([1], [(1, 1, [0, 0, 10, 10], 1)])
+    dets = [_det(1, 2, [50, 50, 10, 10], 0.9)]
+    a = analyze(gt, dets, 0.3)
+    assert a.ap50 == coco_evaluate(gt, dets).stats["AP50"] == -1.0
+    assert set(a.delta_ap50.values()) == {0.0}
+    np.testing.assert_array_equal(a.confusion, [[0, 0, 0], [0, 0, 0], [0, 1, 0]])
+
+
 def test_bad_input_names_the_record(gt, dets):
     bad = copy.deepcopy(dets[:3])
     bad[2]["category_id"] = 999
