@@ -149,6 +149,9 @@ class Train(_Section):
     ema: bool = Field(default=False, description='Keep an exponential moving average of the weights; it is what gets evaluated and exported.')
     ema_decay: float = Field(default=0.9998, gt=0, lt=1, description='EMA decay per iteration.')
     eval_every: int = Field(default=0, ge=0, description='Iterations between COCO evaluations on val (0 = off); the best goes to checkpoints/best.pt.')
+    patience: int = Field(default=0, ge=0, description='Early stopping: stop after this many evaluations in a row (eval_every) whose val AP does not exceed the best so far by more than min_delta; 0 = off. Every rank stops at the same iteration; the count is checkpoint state.')
+    min_delta: float = Field(default=0.0, ge=0, description='Early stopping: the smallest val AP gain (AP@[.5:.95], 0..1) that counts as an improvement.')
+    final: Literal["last", "best"] = Field(default="last", description='Weights written to models/model.pt: last (the final iteration, its EMA with ema) or best (checkpoints/best.pt: the highest val AP of the evaluations; needs eval_every).')
     log_every: int = Field(default=1, ge=1, description='Iterations between DVCLive metric rows.')
     cache_url: Optional[str] = Field(default=None, description='Read the augmentation cache from this URL (s3://bucket/cache?endpoint_override=host:port&scheme=http) instead of data/cache.')
     cache_local_dir: Optional[str] = Field(default=None, description='cache_url: folder where whole shards are prefetched before use (deleted when consumed); null = a temporary folder.')
@@ -188,6 +191,8 @@ class Train(_Section):
             raise ValueError(f"train.nnodes {self.nnodes!r}: MAX must be >= MIN")
         if any(not 0 < m < 1 for m in self.milestones) or self.milestones != sorted(self.milestones):
             raise ValueError("train.milestones must be increasing fractions of training in (0, 1)")
+        if (self.patience or self.final == "best") and not self.eval_every:
+            raise ValueError("train.patience and train.final: best need val evaluations: set train.eval_every")
         return self
 
 
@@ -200,7 +205,7 @@ timeout, the network interface): they change neither what is trained nor its res
 values resumes (`detpipe.engine.trainer.fingerprint` leaves them out)."""
 
 SCHEDULE = frozenset({"epochs", "lr", "base_batch_size", "schedule", "milestones", "gamma", "warmup_iters",
-                      "weight_decay", "ema_decay"})
+                      "weight_decay", "ema_decay", "patience", "min_delta"})
 """`Train` fields that only change the *schedule* of a training, not which training it is: a checkpoint made with
 other values of these is continued by ``train.resume: auto`` (model, optimizer, scaler, EMA, sampler and RNG state
 kept; the lr from the checkpoint's iteration on follows the plan for the new values: `detpipe.engine.hooks.lr_factor`

@@ -96,9 +96,10 @@ def resume_decision(resume: str, fingerprint: str, ckpt_dir: Path | str,
     - resumes when its ``schedule`` (the schedule keys' values, `detpipe.engine.trainer.schedule_params`) equals
       ``schedule`` (``auto``, ``restart``, ``must``);
     - with another schedule and ``auto`` or ``must``, is *continued* when the new ``epochs`` leave iterations after
-      it; when it finished its own schedule and the new one adds no epoch, it is another training (start fresh: the
-      usual ``dvc exp run -S train.lr=...`` after a finished run); when it had not finished and the new ``epochs``
-      end before its iteration, StageError;
+      it (after an early stop, only when ``patience`` or ``min_delta`` changed too); when it finished its own
+      schedule (or stopped early) and the new one adds no epoch, it is another training (start fresh: the usual
+      ``dvc exp run -S train.lr=...`` after a finished run); when it had not finished and the new ``epochs`` end
+      before its iteration, StageError;
     - with another schedule and ``restart``: start fresh. ``never``: always start fresh.
 
     Returns:
@@ -126,10 +127,17 @@ def resume_decision(resume: str, fingerprint: str, ckpt_dir: Path | str,
             if same and not changed:
                 return state, f"resuming from {path} (iteration {state['iter']})"
             if same and resume != "restart":
-                # a continuation, if the new schedule leaves iterations to train after this checkpoint
+                # a continuation, if the new schedule leaves iterations to train after this checkpoint (after an
+                # early stop: only if it changes the stopping rule, else the run would stop again at once)
                 epoch, start = int(state["sampler"]["epoch"]), int(state["sampler"]["start"])
-                if epoch < schedule["epochs"]:
+                stopped = state["trainer"].get("stopped")
+                stop_rule = any(state["schedule"].get(k) != schedule.get(k) for k in ("patience", "min_delta"))
+                if epoch < schedule["epochs"] and (not stopped or stop_rule):
                     return state, f"continuing from {path} (iteration {state['iter']}, epoch {epoch + 1})"
+                if stopped:
+                    reason = (f"{path} stopped early ({stopped}) and the new schedule ({changed}) does not change "
+                              f"train.patience or train.min_delta: another training")
+                    break
                 if epoch != state["schedule"]["epochs"] or start > 0:
                     raise StageError(f"train.epochs={schedule['epochs']} is fewer epochs than {path} has already "
                                      f"trained (iteration {state['iter']}, in epoch {epoch + 1} of its "

@@ -122,20 +122,37 @@ class EvalHook(HookBase):
     (rows with them are always kept) and saves the weights with the best AP@[.5:.95] so far to ``best_path``
     (atomically).
 
+    Early stopping (``patience`` > 0, Keras' ``EarlyStopping`` rule): an evaluation whose AP does not exceed the best
+    AP of the earlier ones by more than ``min_delta`` counts as stale, an improving one (and the first) resets the count; after
+    ``patience`` stale evaluations in a row rank 0's decision is broadcast and every rank calls
+    ``trainer.request_stop`` at that same iteration, which is put into the storage as ``stopped_early_at``. The
+    count is checkpoint state: a resumed run goes on counting, and one resumed after the stop stops at once.
+
     The one order rule among the hooks: ``ema`` must be registered before this hook, so that its ``after_step``
     has averaged in the iteration this hook evaluates (`detpipe.engine.trainer.build_trainer` registers LR, EMA,
     eval, metrics, checkpoints, progress). `before_train` raises ValueError when ``ema`` is not among the trainer's
     hooks before this one."""
 
-    def __init__(self, period: int, eval_fn, best_path: Path, config: dict, ema: EMAHook | None = None):
+    def __init__(self, period: int, eval_fn, best_path: Path, config: dict, ema: EMAHook | None = None,
+                 patience: int = 0, min_delta: float = 0.0):
         self.period, self.eval_fn, self.best_path, self.config, self.ema = period, eval_fn, Path(best_path), config, ema
-        self.best_ap, self.best_iter = -1.0, -1
+        self.patience, self.min_delta = patience, min_delta
+        self.best_ap, self.best_iter, self.stale = -1.0, -1, 0
+
+    def _reason(self) -> str | None:
+        if not self.patience or self.stale < self.patience:
+            return None
+        return (f"val AP did not improve by more than {self.min_delta} for {self.stale} evaluations (train.patience "
+                f"{self.patience}; best AP {self.best_ap:.4f} at iteration {self.best_iter})")
 
     def before_train(self) -> None:
         hooks = [id(h) for h in self.trainer.hooks]
         if self.ema is not None and id(self.ema) not in hooks[:hooks.index(id(self))]:
             raise ValueError("EvalHook evaluates the EMA of the iteration just done: its EMAHook must be registered "
                              "before it")
+        reason = self._reason()  # a run resumed after its early stop: nothing more to train
+        if reason:
+            self.trainer.request_stop(reason)
 
     def after_step(self) -> None:
         done = self.trainer.iter + 1
@@ -148,19 +165,26 @@ class EvalHook(HookBase):
             stats = self.eval_fn(model)
             model.train(was_training)
             self.trainer.storage.put_scalars(keep=True, **{f"val/{k}": v for k, v in stats.items()})
+            improved = self.best_iter < 0 or stats["AP"] > self.best_ap + self.min_delta  # the first one: a reference
+            self.stale = 0 if improved else self.stale + 1
             if stats["AP"] > self.best_ap:
                 self.best_ap, self.best_iter = float(stats["AP"]), done
                 save_atomic({"model": model.state_dict(), "config": self.config, "iters": done,
                              "AP": self.best_ap}, self.best_path)
                 log.info("iteration %d: AP %.4f, best so far -> %s", done, self.best_ap, self.best_path)
-        if self.trainer.distributed:
-            dist.barrier()
+        box = [self._reason() if self.trainer.rank == 0 else None]
+        if self.trainer.distributed:  # every rank waits for rank 0's evaluation and takes its decision
+            dist.broadcast_object_list(box, src=0)
+        if box[0] and done < self.trainer.max_iter:
+            self.trainer.storage.put_scalars(keep=True, stopped_early_at=done)
+            self.trainer.request_stop(box[0])
 
     def state_dict(self) -> dict:
-        return {"best_ap": self.best_ap, "best_iter": self.best_iter}
+        return {"best_ap": self.best_ap, "best_iter": self.best_iter, "stale": self.stale}
 
     def load_state_dict(self, state: dict) -> None:
         self.best_ap, self.best_iter = float(state["best_ap"]), int(state["best_iter"])
+        self.stale = int(state.get("stale", 0))
 
 
 class CheckpointHook(HookBase):
@@ -180,7 +204,8 @@ class CheckpointHook(HookBase):
 
     def after_train(self) -> None:
         t = self.trainer
-        if t.iter == t.max_iter and t.iter > t.start_iter:  # completed (not an error or interrupt)
+        done = t.iter == t.max_iter or t.stop_reason is not None  # completed or stopped early (no error, interrupt)
+        if done and t.iter > t.start_iter:
             self.save(t.iter)
 
     def save(self, done: int) -> None:

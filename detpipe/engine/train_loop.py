@@ -147,6 +147,7 @@ class TrainerBase:
         self.hooks: list[HookBase] = []
         self.iter = self.start_iter = self.max_iter = 0
         self.storage = EventStorage(keep_every)
+        self.stop_reason: str | None = None
 
     def register_hooks(self, hooks: list[HookBase]) -> None:
         """Append ``hooks`` (called in this order) and give each a weak reference to this trainer."""
@@ -155,23 +156,29 @@ class TrainerBase:
         self.hooks.extend(hooks)
 
     def train(self, start_iter: int, max_iter: int) -> None:
-        """Run iterations ``start_iter .. max_iter - 1``; ``after_train`` runs whatever happens (``finally``)."""
+        """Run iterations ``start_iter .. max_iter - 1``, or until a hook calls `request_stop`; ``after_train`` runs
+        whatever happens (``finally``)."""
         self.start_iter, self.max_iter = start_iter, max_iter
         self.iter = self.storage.iter = start_iter
         try:
             for h in self.hooks:
                 h.before_train()
-            while self.iter < max_iter:
+            while self.iter < max_iter and self.stop_reason is None:
                 for h in self.hooks:
                     h.before_step()
                 self.run_step()
                 for h in self.hooks:
                     h.after_step()
-                self.storage.step(last=self.iter + 1 == max_iter)
+                self.storage.step(last=self.iter + 1 == max_iter or self.stop_reason is not None)
                 self.iter += 1
         finally:
             for h in self.hooks:
                 h.after_train()
+
+    def request_stop(self, reason: str) -> None:
+        """End training after the current iteration (or, from ``before_train``, before the first), for ``reason``
+        (early stopping). A distributed hook must call it on every rank at the same iteration."""
+        self.stop_reason = reason
 
     def run_step(self) -> None:
         """One iteration of training; it calls `loaded` with its input before the forward pass."""

@@ -43,7 +43,7 @@ log = logging.getLogger("detpipe.engine.trainer")
 
 
 # Params that do not change the result of training: a checkpoint made with other values resumes.
-_NOT_IN_FINGERPRINT = {"resume", "keep_last", "checkpoint_every", "num_workers", "threads", "log_every",
+_NOT_IN_FINGERPRINT = {"resume", "final", "keep_last", "checkpoint_every", "num_workers", "threads", "log_every",
                        "eval_every", "log_every_s", "cache_url", "cache_local_dir",
                        "cache_local_bytes"} | params_mod.LAUNCH_ONLY
 
@@ -192,7 +192,8 @@ class Trainer(TrainerBase):
                 "world_size": self.world_size, "sampler": sampler_state,
                 "model": self.module.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "scaler": self.scaler.state_dict(), "storage": self.storage.state_dict(),
-                "hooks": self.hooks_state(), "trainer": {"bad_steps": self.bad_steps}, "rng": rngs}
+                "hooks": self.hooks_state(), "trainer": {"bad_steps": self.bad_steps, "stopped": self.stop_reason},
+                "rng": rngs}
 
     def load_checkpoint_state(self, state: dict) -> None:
         """Restore what `checkpoint_state` saved (this rank's RNG states).
@@ -276,7 +277,7 @@ def build_trainer(cfg: params_mod.Train, cache_dir: Path = CACHE_DIR, arrow_meta
     hooks += [ema] if ema else []
     if cfg.eval_every:
         hooks.append(EvalHook(cfg.eval_every, make_eval_fn(cache_root, Path(arrow_meta)),
-                              Path(ckpt_dir) / "best.pt", config, ema))
+                              Path(ckpt_dir) / "best.pt", config, ema, cfg.patience, cfg.min_delta))
     hooks += [MetricsHook(live_dir), CheckpointHook(ckpt_dir, cfg.checkpoint_every, cfg.keep_last),
               ProgressHook(cfg.log_every_s)]
     if batch_plot is not None:
@@ -335,11 +336,15 @@ def train(cfg: params_mod.Train, cache_dir: Path = CACHE_DIR, arrow_meta: Path =
         raise Interrupted(received_signal(), detail) from e  # e.g. a collective failed: another rank had stopped
     check_ranks_agree(model, trainer.distributed, rank, trainer.world_size)
     if rank == 0:
-        weights = ema.weights() if ema else model.state_dict()
-        save_atomic({"model": weights, "config": trainer.config, "iters": max_iter, "ema": bool(ema),
-                     "fingerprint": trainer.fingerprint, "schedule": schedule, "params": cfg.model_dump()},
-                    Path(model_out))
-        log.info("wrote %s after %d iterations%s", model_out, max_iter, " (EMA weights)" if ema else "")
+        weights, source = (ema.weights() if ema else model.state_dict()), "the last" + (" EMA" if ema else "")
+        if cfg.final == "best":
+            best = torch.load(Path(ckpt_dir) / "best.pt", map_location="cpu", weights_only=True)
+            weights = best["model"]
+            source = f"the best (iteration {best['iters']}, val AP {best['AP']:.4f}{', EMA' if ema else ''})"
+        save_atomic({"model": weights, "config": trainer.config, "iters": trainer.iter, "ema": bool(ema),
+                     "fingerprint": trainer.fingerprint, "params": cfg.model_dump()}, Path(model_out))
+        stopped = f"; stopped early at iteration {trainer.iter}: {trainer.stop_reason}" if trainer.stop_reason else ""
+        log.info("wrote %s after %d iterations: %s weights%s", model_out, trainer.iter, source, stopped)
     if trainer.distributed:
         dist.barrier()
         dist.destroy_process_group()

@@ -249,6 +249,40 @@ def test_a_longer_schedule_continues_the_training(request, cached_workdir, tmp_p
     assert "train.epochs=1 is fewer epochs than" in errors[0] and "in epoch 2 of its 3" in errors[0], errors[0]
 
 
+@pytest.mark.slow
+def test_patience_stops_every_rank_at_one_iteration_and_a_resume_keeps_counting(cached_workdir, tmp_path):
+    """train.patience 2 with an improvement no model makes (min_delta 1.0 AP), evaluating every iteration, 2 ranks
+    (4 iterations planned): the first evaluation sets the reference, so both ranks stop after iteration 3, the last
+    line and DVCLive's metrics say so, and models/model.pt holds best.pt's weights (train.final: best). Resumed from
+    its checkpoint at iteration 2 (one stale evaluation counted) it stops at 3 again (with a reset count it would
+    run to 4); resumed after the stop it trains nothing more."""
+    stop = {"epochs": 2, "batch_size": 2, "nproc_per_node": 2, "eval_every": 1, "patience": 2, "min_delta": 1.0,
+            "final": "best", "checkpoint_every": 1, "keep_last": 20}
+    work = _copy(cached_workdir, tmp_path / "w", {"train": stop})
+    first = stage_cli("train", work).stderr
+    reason = "stopped early at iteration 3: val AP did not improve by more than 1.0 for 2 evaluations"
+    assert reason in first, first[-3000:]
+    digests = set(re.findall(r"rank \d final weights digest (\w+)", first))
+    assert len(re.findall(r"rank \d final weights digest", first)) == 2 and len(digests) == 1, first[-3000:]
+    assert checkpoint_iterations(work) == [1, 2, 3]
+    assert torch.load(checkpoints(work)[-1], weights_only=True)["trainer"]["stopped"]
+    assert json.loads((work / "dvclive/metrics.json").read_text())["train"]["stopped_early_at"] == 3
+    model = torch.load(work / "models/model.pt", weights_only=True)
+    best = torch.load(work / "checkpoints/best.pt", weights_only=True)
+    assert model["iters"] == 3 and all(torch.equal(v, best["model"][k]) for k, v in model["model"].items())
+
+    again = _copy(cached_workdir, tmp_path / "again", {"train": stop})
+    shutil.copytree(work / "checkpoints", again / "checkpoints", ignore=shutil.ignore_patterns("ckpt-0000003.pt"))
+    resumed = stage_cli("train", again).stderr
+    assert "resuming from checkpoints/ckpt-0000002.pt" in resumed and reason in resumed, resumed[-3000:]
+
+    after = stage_cli("train", work).stderr
+    assert "resuming from checkpoints/ckpt-0000003.pt" in after and reason in after, after[-3000:]
+    assert checkpoint_iterations(work) == [1, 2, 3]
+    assert all(torch.equal(v, model["model"][k]) for k, v in
+               torch.load(work / "models/model.pt", weights_only=True)["model"].items())
+
+
 def test_unknown_model_is_one_line_error(cached_workdir, tmp_path):
     work = _copy(cached_workdir, tmp_path / "w", {"train": {"model": "no_such_net"}})
     proc = stage_cli("train", work, check=False)
