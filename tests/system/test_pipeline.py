@@ -1,12 +1,14 @@
 """End to end: `dvc repro` of the whole default pipeline in a git copy of the repository (12 images, tiny params;
 the session's ``reproduced_repo``), then a no-op repro, then a DVC experiment that shows up in `dvc exp show`
-beside the baseline."""
+beside the baseline: one more epoch, which continues the finished run (only the added iterations train), with the
+error types among its columns."""
 from __future__ import annotations
 
 import json
 import math
 
 import pytest
+import torch
 
 from support.pipeline import checkpoints
 from support.procs import run
@@ -31,8 +33,21 @@ def test_dvc_repro_end_to_end(reproduced_repo, tmp_path):
     again = run(["dvc", "repro"], work)
     assert "Data and pipelines are up to date." in again.stdout + again.stderr
 
-    run(["dvc", "exp", "run", "-S", "train.epochs=2", "-S", "export.torch_export=false", "--name", "two-epochs"],
-        work)                                           # ONNX only: torch.export was proven by the repro above
+    # "give it one more epoch": the finished 1-epoch run is continued (issue 35), not trained again from iteration 0
+    first_iters = torch.load(work / "models/model.pt", weights_only=True)["iters"]
+    first_rows = (work / "dvclive/plots/metrics/train/loss.tsv").read_text().splitlines()
+    samples = tmp_path / "samples"
+    samples.mkdir()
+    exp = run(["dvc", "exp", "run", "-S", "train.epochs=2", "-S", "export.torch_export=false", "--name", "two-epochs"],
+              work, env={"DETPIPE_SAMPLE_LOG": str(samples)})  # ONNX only: torch.export was proven by the repro above
+    log = exp.stdout + exp.stderr
+    assert (f"continuing the training of checkpoint iteration {first_iters} with another schedule (epochs 1 -> 2)"
+            in log), log[-4000:]
+    trained = sorted({json.loads(line)["iter"] for f in samples.glob("*.jsonl") for line in f.read_text().splitlines()})
+    assert trained == list(range(first_iters, 2 * first_iters))            # only the added iterations ran
+    assert torch.load(work / "models/model.pt", weights_only=True)["iters"] == 2 * first_iters
+    rows = (work / "dvclive/plots/metrics/train/loss.tsv").read_text().splitlines()
+    assert rows[:len(first_rows)] == first_rows and len(rows) == 1 + 2 * first_iters   # the curve goes on
     show = json.loads(run(["dvc", "exp", "show", "--json"], work).stdout)
     runs = {}
     for commit in show:
@@ -41,6 +56,9 @@ def test_dvc_repro_end_to_end(reproduced_repo, tmp_path):
             p = data.get("params", {}).get("params.yaml", {}).get("data", {})
             m = data.get("metrics", {}).get("metrics/eval.json", {}).get("data", {})
             if p:
-                runs[exp.get("name") or exp.get("rev")] = (p["train"]["epochs"], m.get("bbox", {}).get("AP"))
+                runs[exp.get("name") or exp.get("rev")] = (p["train"]["epochs"], m.get("bbox", {}).get("AP"),
+                                                           sorted(m.get("errors", {})))
     assert runs.get("two-epochs", (None,))[0] == 2, runs
-    assert any(epochs == 1 and ap is not None for epochs, ap in runs.values()), runs
+    assert any(epochs == 1 and ap is not None for epochs, ap, _ in runs.values()), runs
+    # the error types (issue 33) are experiment columns
+    assert {"cls", "loc", "both", "dupe", "bkg", "miss"} <= set(runs["two-epochs"][2]), runs
