@@ -10,6 +10,9 @@ runner over the prepared images, decoding excluded).
 
     python -m benchmarks.predict [--workdir .] [--source data/coco128/train2017] [--batch-size 8] [--repeats 2]
 
+The learns-fitted model (docs/benchmarks.md's second figure): ``--workdir`` a copy of the ``fitted_workdir`` test
+fixture's folder (tests/conftest.py) with ``models/model.onnx`` written by `detpipe.export.stage.export`.
+
 Prints images/s of each and, as the last line, ``ratio: <onnxruntime images/s / eager images/s>`` of the whole
 predict (goal >= 1.0).
 """
