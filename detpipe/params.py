@@ -118,8 +118,8 @@ class Augment(_Section):
 
 class Train(_Section):
     model: str = Field(default="ssdlite320_mobilenet_v3_large", description='torchvision detection model builder name (torchvision.models.list_models(torchvision.models.detection)).')
-    weights: Optional[str] = Field(default=None, description='Initial state_dict: local path or http(s):// / s3:// URL, or a torchvision weights name (online only); null = random init.')
-    weights_sha256: Optional[str] = Field(default=None, pattern=r"^[0-9a-f]{64}$", description='Hex sha256 the weights file must have; null skips the check.')
+    weights: Optional[str] = Field(default=None, description='Initial state_dict: local path or http(s):// / s3:// URL, a torchvision weights name (online only), exp:<experiment, branch or tag> (its models/model.pt; needs weights_sha256), checkpoint:best or checkpoint:last; null = random init.')
+    weights_sha256: Optional[str] = Field(default=None, pattern=r"^[0-9a-f]{64}$", description='Hex sha256 the weights file must have (required for exp:<name>: the pin dvc.lock records); null skips the check.')
     nproc_per_node: int = Field(default=1, ge=1, description='Worker processes per node (one per GPU on CUDA).')
     nnodes: str = Field(default="1", pattern=r"^[1-9]\d*(:[1-9]\d*)?$", description='Nodes of the job: N, or MIN:MAX for an elastic job that goes on with as few as MIN nodes (torchrun --nnodes).')
     rdzv_endpoint: str = Field(default="127.0.0.1:29400", pattern=r"^[^:\s]+:\d+$", description='host:port of the c10d rendezvous store when the job has more than one node: a node every node reaches (the first node under Slurm); one node uses a free port on 127.0.0.1.')

@@ -23,7 +23,8 @@ TRAIN_MODULE = "stages.train"
 def check_inputs(cfg: Train) -> None:
     """Fail fast, before launching workers, on problems every worker would hit: missing inputs, unknown model,
     an SSD model on a cache of another size, a mask model on a cache without masks, a weights file that does not
-    exist.
+    exist, an ``exp:``/``checkpoint:`` weights value that cannot be resolved (`detpipe.models.materialise_weights`,
+    which copies it to ``checkpoints/warm_start.pt`` for the workers).
 
     The model is built as each worker builds it (`detpipe.models.build_detector`, the same checks), but on the meta
     device: its structure only, no weights allocated or initialized (the workers build the real one).
@@ -32,9 +33,13 @@ def check_inputs(cfg: Train) -> None:
         StageError: one line naming the setting or file and the problem.
     """
     from detpipe.files import is_url
-    from detpipe.models import build_detector
+    from detpipe.models import build_detector, is_warm_start, materialise_weights, warm_start_path
+    from detpipe.paths import CKPT_DIR
 
     build_detector(cfg, device="meta")
+    if is_warm_start(cfg.weights):  # copied before any worker starts (a fresh start deletes checkpoints)
+        materialise_weights(cfg.weights, cfg.weights_sha256, warm_start_path(CKPT_DIR), CKPT_DIR)
+        return
     if cfg.weights and not is_url(cfg.weights) and not Path(cfg.weights).exists() and \
             ("/" in cfg.weights or cfg.weights.endswith((".pt", ".pth"))):
         raise StageError(f"params.yaml: key 'train.weights': file '{cfg.weights}' not found")
