@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -91,3 +92,51 @@ def test_other_classes_reinitialise_the_head_with_the_reason_logged(trained_work
     assert out["skipped"] and all("classification_head" in k for k in out["skipped"])
     for k in out["skipped"]:
         assert torch.equal(model.state_dict()[k], fresh[k])
+
+
+def test_exp_weights_from_the_remote_only_and_the_launchers_error_line(reproduced_repo, tmp_path):
+    repo = clone_with_cache(reproduced_repo, tmp_path / "repo")
+    data = (repo / "models/model.pt").read_bytes()
+    digest = hashlib.sha256(data).hexdigest()
+    dvc = [sys.executable, "-m", "dvc"]
+    subprocess.run(dvc + ["remote", "add", "-d", "store", str(tmp_path / "remote")], cwd=repo, check=True)
+    subprocess.run(["git", "commit", "-qm", "remote", "--", ".dvc/config"], cwd=repo, check=True)
+    subprocess.run(["git", "tag", "run1"], cwd=repo, check=True)  # the tag's config names the remote
+    subprocess.run(dvc + ["push", "-q", "models/model.pt"], cwd=repo, check=True, capture_output=True)
+    shutil.rmtree(repo / ".dvc/cache")  # hard links: the fixture's cache is untouched
+    (repo / "models/model.pt").unlink()
+    dest = materialise_weights("exp:run1", digest, tmp_path / "start.pt", repo / "checkpoints", repo=str(repo))
+    assert dest.read_bytes() == data
+    # through the launcher: one line naming the setting, exit status 2, before any worker starts
+    set_params(repo, {"train": {"weights": "exp:no-such-exp", "weights_sha256": digest}})
+    r = stage_cli("train", repo, check=False, timeout=120)
+    out = r.stdout + r.stderr
+    assert r.returncode == 2, out
+    line = [ln for ln in out.splitlines() if "no-such-exp" in ln]
+    assert line and "train.weights" in line[-1] and "rank" not in out.lower().split("no-such-exp")[0][-200:]
+
+
+def test_build_trainer_starts_from_checkpoint_last_before_a_fresh_start_deletes_it(trained_workdir, tmp_path,
+                                                                                    request):
+    import random
+
+    import numpy as np
+
+    from detpipe import params as params_mod
+    from detpipe.engine.checkpoints import find_resume_state
+    from detpipe.engine.trainer import build_trainer
+
+    work = tmp_path / "w"
+    shutil.copytree(trained_workdir, work, symlinks=True)
+    threads, rngs = torch.get_num_threads(), (random.getstate(), np.random.get_state(), torch.get_rng_state())
+    request.addfinalizer(lambda: (torch.set_num_threads(threads), random.setstate(rngs[0]),
+                                  np.random.set_state(rngs[1]), torch.set_rng_state(rngs[2])))
+    last = torch.load(checkpoints(work)[-1], weights_only=True)
+    cfg = params_mod.load("train", work / "params.yaml").model_copy(update={"weights": "checkpoint:last",
+                                                                            "resume": "restart"})
+    trainer = build_trainer(cfg, work / "data/cache", work / "data/arrow/meta.json", work / "checkpoints",
+                            str(tmp_path / "dl"))
+    # a fresh start (weights changed the fingerprint) deletes the old checkpoints; the copy stays
+    assert find_resume_state(cfg.resume, trainer.fingerprint, work / "checkpoints") is None
+    assert not checkpoints(work) and (work / "checkpoints/warm_start.pt").is_file()
+    assert all(torch.equal(v, last["model"][k]) for k, v in trainer.module.state_dict().items())
