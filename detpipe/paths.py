@@ -4,6 +4,7 @@ These are the paths ``dvc.yaml`` lists as each stage's deps and outs; keep the t
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 SOURCE_DIR = Path("data/coco128")        # the embedded demo dataset (download.source default)
@@ -19,3 +20,22 @@ METRICS = Path("metrics/eval.json")      # evaluate -> export (model card)
 PLOTS = Path("plots")
 LABEL_PLOTS = PLOTS / "labels"            # convert: label statistics of the train split (DVC plots)
 TRAIN_BATCH_PLOT = PLOTS / "train_batch.png"  # train: the first training batch, drawn (DVC image plot)
+
+
+_CKPT_RE = re.compile(r"^ckpt-(\d{7})\.pt$")
+
+
+def checkpoint_path(directory: Path | str, done: int) -> Path:
+    """``<directory>/ckpt-NNNNNNN.pt`` for ``done`` completed iterations (7 digits, zero-padded)."""
+    return Path(directory) / f"ckpt-{done:07d}.pt"
+
+
+def list_checkpoints(directory: Path | str) -> list[Path]:
+    """Checkpoint files ``ckpt-NNNNNNN.pt`` in ``directory``, oldest iteration first ([] if no directory). Here, not in
+    `detpipe.engine.checkpoints` (which re-exports it), because the launcher reads the folder too
+    (`detpipe.warm_start`)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    return sorted((p for p in directory.iterdir() if _CKPT_RE.match(p.name)),
+                  key=lambda p: int(_CKPT_RE.match(p.name).group(1)))

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import logging
 import random
-import re
 from pathlib import Path
 
 import numpy as np
@@ -11,27 +10,11 @@ import torch
 
 from detpipe.errors import StageError
 from detpipe.files import atomic_open
+from detpipe.paths import checkpoint_path, list_checkpoints  # noqa: F401  (re-exported: the trainer's names)
 
 log = logging.getLogger("detpipe.engine.checkpoints")
 
 FORMAT = 3  # 3: the fingerprint leaves out the schedule keys, stored apart as "schedule" (2: it covered them; the trainer's EventStorage holds the metric rows; 1: MetricsHook did)
-_CKPT_RE = re.compile(r"^ckpt-(\d{7})\.pt$")
-
-
-def checkpoint_path(directory: Path | str, done: int) -> Path:
-    """``<directory>/ckpt-NNNNNNN.pt`` for ``done`` completed iterations (7 digits, zero-padded)."""
-    return Path(directory) / f"ckpt-{done:07d}.pt"
-
-
-def list_checkpoints(directory: Path | str) -> list[Path]:
-    """Checkpoint files ``ckpt-NNNNNNN.pt`` in ``directory``, oldest iteration first ([] if no directory)."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        return []
-    return sorted((p for p in directory.iterdir() if _CKPT_RE.match(p.name)),
-                  key=lambda p: int(_CKPT_RE.match(p.name).group(1)))
-
-
 def save_atomic(obj, path: Path | str) -> None:
     """``torch.save(obj)`` to ``path`` atomically (`detpipe.files.atomic_open`: temporary file, fsync, rename)."""
     with atomic_open(path) as f:

@@ -36,7 +36,8 @@ from detpipe.engine.train_loop import HookBase, TrainerBase
 from detpipe.errors import Interrupted, StageError, received_signal
 from detpipe.engine.hooks import (CheckpointHook, EMAHook, EvalHook, LRScheduleHook, MetricsHook, ProgressHook,
                                   TrainBatchPlotHook)
-from detpipe.models import build_detector, is_warm_start, load_weights, materialise_weights, warm_start_path
+from detpipe.models import build_detector, load_weights
+from detpipe.warm_start import is_warm_start, materialise_weights, warm_start_path
 from detpipe.paths import ARROW_META, CACHE_DIR, CKPT_DIR, LIVE_DIR, MODEL as MODEL_OUT, TRAIN_BATCH_PLOT
 
 log = logging.getLogger("detpipe.engine.trainer")
@@ -260,9 +261,9 @@ def build_trainer(cfg: params_mod.Train, cache_dir: Path = CACHE_DIR, arrow_meta
 
     cache_root = cfg.cache_url or str(cache_dir)
     model, config, cache_meta_bytes = build_detector(cfg, arrow_meta, cache_dir)
-    if is_warm_start(cfg.weights):  # exp:/checkpoint: copied by the launcher; a single process copies it itself
+    if is_warm_start(cfg.weights):  # exp:/checkpoint: copied by the launcher; a process without one copies it itself
         start = warm_start_path(ckpt_dir)
-        if world == 1 or not start.is_file():
+        if "LOCAL_RANK" not in os.environ or not start.is_file():
             materialise_weights(cfg.weights, cfg.weights_sha256, start, Path(ckpt_dir))
         load_weights(model, str(start))
     elif cfg.weights:

@@ -23,7 +23,7 @@ TRAIN_MODULE = "stages.train"
 def check_inputs(cfg: Train) -> None:
     """Fail fast, before launching workers, on problems every worker would hit: missing inputs, unknown model,
     an SSD model on a cache of another size, a mask model on a cache without masks, a weights file that does not
-    exist, an ``exp:``/``checkpoint:`` weights value that cannot be resolved (`detpipe.models.materialise_weights`,
+    exist, an ``exp:``/``checkpoint:`` weights value that cannot be resolved (`detpipe.warm_start.materialise_weights`,
     which copies it to ``checkpoints/warm_start.pt`` for the workers).
 
     The model is built as each worker builds it (`detpipe.models.build_detector`, the same checks), but on the meta
@@ -33,7 +33,8 @@ def check_inputs(cfg: Train) -> None:
         StageError: one line naming the setting or file and the problem.
     """
     from detpipe.files import is_url
-    from detpipe.models import build_detector, is_warm_start, materialise_weights, warm_start_path
+    from detpipe.models import build_detector
+    from detpipe.warm_start import is_warm_start, materialise_weights, warm_start_path
     from detpipe.paths import CKPT_DIR
 
     build_detector(cfg, device="meta")

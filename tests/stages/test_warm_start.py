@@ -13,7 +13,8 @@ import torch
 from support.pipeline import checkpoints, set_params, stage_cli
 from support.repos import clone_with_cache
 from detpipe.errors import StageError
-from detpipe.models import build_from_config, load_weights, materialise_weights
+from detpipe.models import build_from_config, load_weights
+from detpipe.warm_start import materialise_weights
 
 
 def _same_tensors(model, state):
