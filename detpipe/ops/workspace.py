@@ -104,6 +104,18 @@ def locked_outs(root: Path) -> dict[str, str]:
     return {path: md5 for path, in_cache, md5 in _outputs(root) if in_cache and md5}
 
 
+def locked_uncached_outs(root: Path) -> list[str]:
+    """The ``cache: false`` outputs (metrics, plots) that ``root``'s dvc.lock records a hash for: those of the stages
+    that have finished (paths relative to ``root``, sorted; [] without dvc.lock).
+
+    Raises:
+        dvc.exceptions.DvcException: DVC cannot read dvc.yaml or dvc.lock.
+    """
+    if not (root / "dvc.lock").is_file():
+        return []
+    return sorted({path for path, in_cache, md5 in _outputs(root) if not in_cache and md5})
+
+
 def untracked_pipeline_files(root: Path) -> list[str]:
     """Untracked files that ``dvc exp run`` would commit with an experiment but ``dvc exp save`` needs
     ``--include-untracked`` for: ``cache: false`` outputs and the ``.gitignore`` files DVC writes beside

@@ -315,12 +315,12 @@ def killed_run(prefect_api, reproduced_repo):
 
 
 def readme_exp_show() -> list[str]:
-    """The README's command for comparing experiments in 80 columns (its ``dvc exp show ... --drop ...`` line),
-    as argv."""
+    """The README's command for comparing experiments in 80 columns (its ``dvc exp show --only-changed ... --drop
+    ...`` line), as argv."""
     import shlex
 
     lines = (REPO / "README.md").read_text().splitlines()
-    line = next(ln for ln in lines if ln.startswith("dvc exp show ") and " --drop " in ln)
+    line = next(ln for ln in lines if ln.startswith("dvc exp show --only-changed ") and " --drop " in ln)
     return [sys.executable, "-m", *shlex.split(line)]
 
 
