@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 import json
 import re
 import shutil
@@ -367,7 +368,8 @@ def test_cancel_stops_training_and_leaves_workspace_as_it_was(prefect, reproduce
 @pytest.mark.slow
 def test_sweep_runs_in_parallel_and_compares_in_80_columns(prefect, reproduced_repo, tmp_path):
     """``sweep/main`` with a grid of 2 learning rates (``flows.max_parallel: 2``): the shared stages run once
-    before, both experiments' train stages overlap in time (log timestamps), both are DVC experiments with their
+    before, both experiments' train stages overlap in time (log timestamps) and each continues the committed 1-epoch
+    run's checkpoint with 2 epochs and its lr (only iterations 2..4 train), both are DVC experiments with their
     params, the README's ``dvc exp show`` command shows their AP, AP50 and train.lr in 80 columns without an
     ellipsis, and the user's workspace is unchanged."""
     repo = flow_repo(reproduced_repo, tmp_path / "repo")
@@ -388,6 +390,11 @@ def test_sweep_runs_in_parallel_and_compares_in_80_columns(prefect, reproduced_r
             assert f"Running stage '{stage}'" not in _stage_segment(logs, stage), (name, stage)
         train_log = _stage_segment(logs, "train")
         assert "Running stage 'train'" in train_log, train_log[-3000:]
+        # the committed 1-epoch run's checkpoint is continued with the run's schedule (issue 35), not retrained
+        lr = {"sweep1-0": 0.03, "sweep1-1": 0.04}[name]
+        assert re.search(rf"continuing the training of checkpoint iteration 2 with another schedule \(epochs 1 -> 2, "
+                         rf"lr [0-9.e-]+ -> {lr}\)", train_log), train_log[-3000:]
+        assert "iterations 2..4" in train_log, train_log[-3000:]
         stamps = [m.group(0) for m in re.finditer(r"\b\d{2}:\d{2}:\d{2}\.\d+", train_log)]
         spans[name] = (stamps[0], stamps[-1])
     (a0, a1), (b0, b1) = spans.values()
@@ -482,3 +489,27 @@ def test_watched_run_and_bad_overrides(prefect, killed_run, tmp_path):
     for bad, word in (({"train.lrr": 0.1}, "train.lrr"), ({"train.lr": -1}, "train.lr")):
         proc = prefect.cli("deployment", "run", "train/main", "--params", json.dumps({"overrides": bad}), check=False)
         assert proc.returncode != 0 and word in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_run_warm_starts_from_an_experiment_and_stops_early(prefect, killed_run, tmp_path):
+    """A run with overrides naming another experiment's model (``train.weights: exp:killed-run`` and its sha256,
+    issue 35) and early stopping (val AP evaluated every iteration can never gain ``min_delta`` 1, so the second
+    evaluation is the ``patience`` 1'th stale one): the launcher copies that model after checking the pin, training
+    stops at iteration 2 of 8 on its own, and the experiment shows its source and its stop in `dvc exp show`."""
+    import dvc.api
+
+    repo = tmp_path / "repo"
+    shutil.copytree(killed_run["repo"], repo, symlinks=True)
+    with dvc.api.open("models/model.pt", repo=str(repo), rev="killed-run", mode="rb") as f:
+        pinned = hashlib.sha256(f.read()).hexdigest()
+    overrides = {"train.weights": "exp:killed-run", "train.weights_sha256": pinned, "train.eval_every": 1,
+                 "train.patience": 1, "train.min_delta": 1.0}
+    rc, out, run = prefect.run(repo, overrides, "warm-early")
+    train_log = _stage_segment(prefect.logs_of(run), "train")
+    assert rc == 0 and "Completed" in out, train_log[-4000:] + out[-2000:]
+    assert f"train.weights exp:killed-run (sha256 {pinned}) copied to checkpoints/warm_start.pt" in train_log
+    assert "iterations 0..8" in train_log and "stopped early at iteration 2:" in train_log, train_log[-4000:]
+    exp = experiments(repo)["warm-early"]
+    assert exp["params"]["train"]["weights"] == "exp:killed-run" and exp["params"]["train"]["patience"] == 1
+    assert exp["metrics"]["dvclive/metrics.json"]["train"]["stopped_early_at"] == 2, exp["metrics"]
