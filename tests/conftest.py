@@ -122,14 +122,31 @@ for _name, _build in (("learns_prepared", _learns_prepared), ("fitted_workdir", 
                       ("two_rank_workdir", _two_rank_workdir), ("reproduced_repo", _reproduced_repo),
                       ("prefect_api", _prefect_api), ("s3_server", _s3_server)):
     prebuild.register(_name, _build)
-# Built in the background in this order when a selected test uses them (their first users come late in the run:
-# test_elastic, test_evaluate, test_flows, ...; the test modules register their own: test_flows' killed_run,
-# test_workers' workers_team, test_learns' trainings on corrupted caches), then any other registered build; the
-# session fixtures the first test files need at once (cached_workdir, s3_server) are built by those tests, never
-# queued.
-PREBUILT = ("reproduced_repo", "prefect_api", "two_rank_workdir", "trained_workdir", "killed_run", "fitted_workdir",
-            "learns[labels+1]", "learns[boxes*2]", "workers_team")   # test_workers comes last
+# Built in the background in this order when a selected test uses them: the order of first need in a full run
+# (`RUN_LATE` included): trained_workdir (test_evaluate), reproduced_repo (test_export), the learns trainings
+# (test_learns, test_predict), two_rank_workdir (test_cluster, test_elastic), prefect_api (test_cluster),
+# killed_run (test_flows), workers_team (test_workers comes last); then any other registered build. The test
+# modules register their own (test_flows' killed_run, test_workers' workers_team, test_learns' trainings on
+# corrupted caches). The session fixtures the first test files need at once (cached_workdir, s3_server) are built
+# by those tests, never queued.
+PREBUILT = ("trained_workdir", "reproduced_repo", "fitted_workdir", "learns[labels+1]", "learns[boxes*2]",
+            "two_rank_workdir", "prefect_api", "killed_run", "workers_team")
 BUILT_FIRST_BY_TESTS = ("cached_workdir", "s3_server")
+# Modules run after the other tests of their level (tests/unit, tests/stages, tests/system: pyproject's testpaths),
+# because their session fixtures are the longest background builds (three 150-iteration trainings, about 6 min of
+# one core): in file order test_learns came 4 min into the run and waited for them with the other core idle.
+RUN_LATE = ("tests/stages/test_learns.py", "tests/stages/test_predict.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    levels = config.getini("testpaths")
+
+    def key(item):
+        path = item.nodeid.split("::")[0]
+        level = next((n for n, top in enumerate(levels) if path.startswith(top + "/")), len(levels))
+        return level, path in RUN_LATE
+
+    items.sort(key=key)     # stable: file order otherwise
 
 
 def pytest_collection_finish(session):
