@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import csv
 import datetime
+import hashlib
 import json
 import random
 import re
@@ -21,6 +22,10 @@ import yaml
 from support.pipeline import (assert_same_training_state, checkpoint_iterations, checkpoints, kill9_training_after,
                               stage_cli, stage_in_background, write_params)
 from support.procs import run, stage_env
+
+from detpipe.errors import StageError
+from detpipe.models import build_from_config, load_weights
+from detpipe.warm_start import materialise_weights
 
 
 def test_train_outputs(trained_workdir):
@@ -270,6 +275,15 @@ def test_patience_stops_every_rank_at_one_iteration_and_a_resume_keeps_counting(
     model = torch.load(work / "models/model.pt", weights_only=True)
     best = torch.load(work / "checkpoints/best.pt", weights_only=True)
     assert model["iters"] == 3 and all(torch.equal(v, best["model"][k]) for k, v in model["model"].items())
+    # train.weights checkpoint:best (issue 35.3) takes this real best.pt, checked against its pin, and loads its tensors
+    pin = hashlib.sha256((work / "checkpoints/best.pt").read_bytes()).hexdigest()
+    start = materialise_weights("checkpoint:best", pin, tmp_path / "warm_start.pt", work / "checkpoints")
+    assert start.read_bytes() == (work / "checkpoints/best.pt").read_bytes()
+    net = build_from_config(best["config"])
+    load_weights(net, str(start))
+    assert all(torch.equal(v, best["model"][k]) for k, v in net.state_dict().items())
+    with pytest.raises(StageError, match="train.weights_sha256 says"):
+        materialise_weights("checkpoint:best", "0" * 64, tmp_path / "other.pt", work / "checkpoints")
 
     again = _copy(cached_workdir, tmp_path / "again", {"train": stop})
     shutil.copytree(work / "checkpoints", again / "checkpoints", ignore=shutil.ignore_patterns("ckpt-0000003.pt"))
