@@ -258,7 +258,7 @@ def push_partial(ws: Path, run: Run, logger, training: bool = True) -> str | Non
     ckpt_dir = ws / "checkpoints"
     if (training and not _checkpoint_files(ckpt_dir)) or not (ws / "dvc.lock").is_file():
         return None
-    from detpipe.ops.workspace import add_worktree, locked_uncached_outs, remove
+    from detpipe.ops.workspace import add_worktree, copy_paths, locked_uncached_outs, remove
 
     baseline = experiments.baseline(ws)
     snap = ws.with_name(ws.name + ".push")
@@ -269,12 +269,7 @@ def push_partial(ws: Path, run: Run, logger, training: bool = True) -> str | Non
             shutil.copy2(ws / rel, snap / rel)
         # the finished stages' cache: false outputs (plots, metrics) as dvc.lock records them: without them a retry
         # starting from this snapshot would find those stages changed and run them again
-        for rel in locked_uncached_outs(ws):
-            if (ws / rel).is_dir():
-                shutil.copytree(ws / rel, snap / rel, dirs_exist_ok=True)
-            elif (ws / rel).is_file():
-                (snap / rel).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(ws / rel, snap / rel)
+        copy_paths(ws, snap, locked_uncached_outs(ws))
         with contextlib.suppress(OSError):    # curves so far (a resumed training rewrites them from its checkpoint)
             shutil.copytree(ws / "dvclive", snap / "dvclive", dirs_exist_ok=True)
         what = "finished stages"

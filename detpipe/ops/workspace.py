@@ -116,6 +116,17 @@ def locked_uncached_outs(root: Path) -> list[str]:
     return sorted({path for path, in_cache, md5 in _outputs(root) if not in_cache and md5})
 
 
+def copy_paths(src: Path, dest: Path, rels: list[str]) -> None:
+    """Copy each of ``rels`` (files or folders, relative paths) from ``src`` to the same place under ``dest``,
+    merging into folders that exist there; a path missing under ``src`` is skipped. Raises OSError."""
+    for rel in rels:
+        if (src / rel).is_dir():
+            shutil.copytree(src / rel, dest / rel, dirs_exist_ok=True)
+        elif (src / rel).is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src / rel, dest / rel)
+
+
 def untracked_pipeline_files(root: Path) -> list[str]:
     """Untracked files that ``dvc exp run`` would commit with an experiment but ``dvc exp save`` needs
     ``--include-untracked`` for: ``cache: false`` outputs and the ``.gitignore`` files DVC writes beside
@@ -154,13 +165,7 @@ def _create(root: Path, ws: Path, logger, experiment: str | None, pull: bool) ->
         run_logged(dvc("pull" if pull else "checkout", "--allow-missing"), ws, logger)
         return
     add_worktree(root, ws)
-    for rel in ["dvc.lock", *pipeline_outs(root, cached=False)]:
-        src = root / rel
-        if src.is_dir():
-            shutil.copytree(src, ws / rel, dirs_exist_ok=True)
-        elif src.is_file():
-            (ws / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, ws / rel)
+    copy_paths(root, ws, ["dvc.lock", *pipeline_outs(root, cached=False)])
     if (ws / "dvc.lock").is_file():
         run_logged(dvc("checkout", "--allow-missing"), ws, logger)
 
