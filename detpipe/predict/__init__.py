@@ -34,7 +34,8 @@ Batches: ``--batch-size`` images are decoded (in threads) and run together; the 
 batch, the ONNX file (one ``(3, H, W)`` image per call: `detpipe.export.exporter.DetectionExport`'s signature)
 one after the other.
 
-The package: `predict` here (the run and its outputs), `detpipe.predict.sources` (`list_sources`),
+The package: `predict` here (the run and its outputs; `load_predictor`, the model with its data facts, which
+`detpipe.serve` shares), `detpipe.predict.sources` (`list_sources`),
 `detpipe.predict.preprocess` (`data_meta`, `prepare`), `detpipe.predict.runners` (`load_runner`),
 ``__main__`` (the command line).
 """
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -59,8 +61,8 @@ from detpipe.predict.sources import SourceFile, list_sources
 from detpipe.progress import Progress
 
 __all__ = ["BATCH_SIZE", "DEFAULT_DATA", "DEFAULT_MODEL", "DEFAULT_OUT", "PREPROCESS_KEYS", "SCORE_THRESHOLD",
-           "Prepared", "Runner", "SourceFile", "data_meta", "list_sources", "load_runner", "predict", "prepare",
-           "preprocess_config"]
+           "Predictor", "Prepared", "Runner", "SourceFile", "data_meta", "list_sources", "load_predictor",
+           "load_runner", "predict", "prepare", "preprocess_config"]
 
 log = logging.getLogger("detpipe.predict")
 
@@ -69,6 +71,70 @@ DEFAULT_DATA = Path("data")
 DEFAULT_OUT = Path("predictions")
 SCORE_THRESHOLD = 0.25  # default --score-threshold (Ultralytics' ``conf`` default)
 BATCH_SIZE = 8
+
+
+@dataclasses.dataclass
+class Predictor:
+    """A loaded model file with the data facts of the run that trained it: what `predict` runs, and
+    `detpipe.serve` (`load_predictor` makes one).
+
+    ``run``: `load_runner`'s runner (``float32 (3, h, w)`` prepared images in [0, 1] -> per image ``boxes``
+    ``float32 (N, 4)`` XYXY prepared pixels, ``scores`` ``(N,)``, ``labels`` ``int64 (N,)``); ``runtime``: its
+    description; ``cfg``: the preprocessing (`prepare`'s settings, from ``data/cache/meta.json``);
+    ``label_to_category``: training label -> the dataset's COCO category id; ``label_names``: label -> category name.
+    """
+
+    run: Runner
+    runtime: str
+    cfg: params_mod.Augment
+    label_to_category: dict[int, int]
+    label_names: list[str]
+
+    def results(self, det: dict, prep: Prepared | tuple[tuple[float, float], tuple[int, int]], image_id: int,
+                file_name: str, score_threshold: float = SCORE_THRESHOLD) -> list[dict]:
+        """One image's model output ``det`` as predict's COCO results (``predictions.json``'s dicts for the image:
+        ``bbox`` ``[x, y, w, h]`` in original-image pixels, the dataset's ``category_id`` and ``category_name``,
+        ``score >= score_threshold``, highest first; `detpipe.evaluation.detections.image_detections`).
+
+        Args:
+            det: the runner's output for the image.
+            prep: the image's `Prepared`, or its ``(scale, orig_size)``: ``(scale_y, scale_x)`` prepared pixels per
+                original pixel and ``(H, W)`` original pixels.
+            image_id, file_name: written into each dict.
+            score_threshold: in [0, 1].
+        Raises:
+            StageError: the model predicts a label the data meta does not know (model and data from different runs).
+        """
+        scale, orig_size = (prep.scale, prep.orig_size) if isinstance(prep, Prepared) else prep
+        return image_detections(det, image_id, self.label_to_category, scale, orig_size,
+                                score_threshold=score_threshold, file_name=file_name, label_names=self.label_names)
+
+    def predict_bytes(self, data: bytes, file_name: str = "image", image_id: int = 1,
+                      score_threshold: float = SCORE_THRESHOLD) -> list[dict]:
+        """One encoded image's COCO results, as `predict` writes them for that image alone (`prepare`, the model,
+        `results`).
+
+        Raises:
+            StageError: the bytes are not a readable image (names ``file_name``), or as `results`.
+        """
+        prep = prepare(data, file_name, self.cfg)
+        return self.results(self.run([prep.image])[0], prep, image_id, file_name, score_threshold)
+
+
+def load_predictor(model_path: Path | str = DEFAULT_MODEL, data_dir: Path | str = DEFAULT_DATA) -> Predictor:
+    """Load ``model_path`` (`load_runner`) and the data facts of ``data_dir`` (`data_meta`: ``arrow/meta.json``'s
+    category ids and names, ``cache/meta.json``'s preprocessing) into a `Predictor`.
+
+    Raises:
+        StageError: a missing or unloadable model, missing or invalid data meta files, or a model built for another
+            number of classes than ``arrow/meta.json`` has (model and data from different runs).
+    """
+    run, runtime, model_classes = load_runner(model_path)
+    arrow_meta, cfg = data_meta(Path(data_dir))
+    if model_classes is not None and model_classes != arrow_meta["num_classes"]:
+        raise StageError(f"{model_path}: model built for {model_classes} classes, {data_dir}/arrow/meta.json has "
+                         f"{arrow_meta['num_classes']}: model and data come from different runs")
+    return Predictor(run, runtime, cfg, label_to_category_id(arrow_meta), arrow_meta["label_names"])
 
 
 def _drawn(prep: Prepared, results: list[dict]) -> bytes:
@@ -122,12 +188,8 @@ def predict(source: str, model_path: Path | str = DEFAULT_MODEL, out_dir: Path |
         raise StageError(f"--batch-size {batch_size}: must be at least 1")
     if not 0.0 <= score_threshold <= 1.0:
         raise StageError(f"--score-threshold {score_threshold}: must be in [0, 1] (scores are probabilities)")
-    run, runtime, model_classes = load_runner(model_path)
-    arrow_meta, cfg = data_meta(Path(data_dir))
-    label_to_cat, label_names = label_to_category_id(arrow_meta), arrow_meta["label_names"]
-    if model_classes is not None and model_classes != arrow_meta["num_classes"]:
-        raise StageError(f"{model_path}: model built for {model_classes} classes, {data_dir}/arrow/meta.json has "
-                         f"{arrow_meta['num_classes']}: model and data come from different runs")
+    model = load_predictor(model_path, data_dir)
+    run, runtime, cfg = model.run, model.runtime, model.cfg
     files = list_sources(source, endpoint_url)
     log.info("predict: %d files from %s with %s, batches of %d", len(files), redact_url(source), runtime, batch_size)
 
@@ -142,8 +204,7 @@ def predict(source: str, model_path: Path | str = DEFAULT_MODEL, out_dir: Path |
     def finish(batch: list[tuple[int, SourceFile, Prepared]], drawn: Path | None) -> None:
         """Run one batch, collect its results and images, draw them into ``drawn``."""
         for (image_id, f, prep), det in zip(batch, run([p.image for _, _, p in batch])):
-            found = image_detections(det, image_id, label_to_cat, prep.scale, prep.orig_size,
-                                     score_threshold=score_threshold, file_name=f.file_name, label_names=label_names)
+            found = model.results(det, prep, image_id, f.file_name, score_threshold)
             results.extend(found)
             images.append({"id": image_id, "file_name": f.file_name, "width": prep.orig_size[1],
                            "height": prep.orig_size[0]})
