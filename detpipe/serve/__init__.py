@@ -1,0 +1,141 @@
+"""Serve the trained or exported detector over HTTP: ``python -m detpipe.serve --model PATH [--data DIR] [options]``.
+
+Endpoints (every answer is JSON; docs/serve.md has examples):
+
+* ``POST /predict``: one image, as the raw request body (any content type but multipart) or as the file part of a
+  ``multipart/form-data`` form. The answer is the image's COCO results exactly as ``python -m detpipe.predict``
+  writes them for that image (`detpipe.predict.Predictor`: the same model runner, `detpipe.predict.prepare`'s
+  preprocessing, ``bbox`` ``[x, y, w, h]`` float in original-image pixels, the dataset's ``category_id`` and
+  ``category_name``, ``score`` in [0, 1], highest first), a JSON list. Query parameters: ``image_id`` (int, default 1,
+  as predict numbers a one-image source), ``file_name`` (default: the multipart part's file name, else ``image``),
+  ``score_threshold`` (in [0, 1], default ``--score-threshold``). Header ``X-Batch-Size``: the micro-batch the image
+  ran in.
+* ``GET /healthz``: 200 while the process serves (liveness).
+* ``GET /readyz``: 200 once the model is loaded and has run once (warm-up), 503 before; the body gives the model,
+  the runtime and the queue's counters.
+
+Limits (each refusal is ``{"error": "<one line>"}``, never a traceback): a body over ``--max-bytes`` is 413 (a
+``Content-Length`` over it is refused unread); an image whose header declares more than ``--max-pixels`` pixels is
+422 before any pixel is decoded (decompression bombs; Pillow's ``Image.MAX_IMAGE_PIXELS`` is set to the same limit);
+a body that is no image of `detpipe.serve.app.ACCEPTED_FORMATS` is 415, a corrupt one 400; an unknown route 404, a
+wrong method 405. Requests are admitted into a bounded queue (``--queue-size``) and run by one model worker in
+micro-batches (``--max-batch`` images, waiting at most ``--max-wait-ms`` for a batch to fill:
+`detpipe.serve.batcher.Batcher`); a request that finds the queue full is answered 503 with ``Retry-After`` at
+once. Connections beyond ``--max-connections`` get uvicorn's own 503.
+
+Built on uvicorn (the ASGI server) and Starlette (the application), which the pipeline already ships as Prefect's
+server. Binds 127.0.0.1 unless ``--host`` says otherwise (there is no authentication); SIGTERM or SIGINT stops it
+gracefully (no new connections, requests in flight answered, at most ``--graceful-timeout`` seconds) with exit
+status 0; it starts no process. A missing model or data meta file, a port in use or a model that cannot be loaded
+is a one-line error (exit status 2).
+
+The package: `serve` here (the server's run), `detpipe.serve.app` (routes, limits, loading), `detpipe.serve.batcher`
+(the bounded queue and its model worker), ``__main__`` (the command line).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import warnings
+from pathlib import Path
+
+from detpipe.errors import StageError
+
+log = logging.getLogger("detpipe.serve")
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+MAX_CONNECTIONS = 32
+GRACEFUL_TIMEOUT_S = 10
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (IPv6 when ``host`` has a ``:``; ``SO_REUSEADDR``), not yet listening.
+
+    Raises:
+        StageError: the address cannot be bound (in use, not local, no permission), naming it.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise StageError(f"{host}:{port}: cannot listen there ({e.strerror or e})") from None
+    return sock
+
+
+def serve(model_path: Path | str, data_dir: Path | str = "data", host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
+          limits=None, max_connections: int = MAX_CONNECTIONS, graceful_timeout_s: int = GRACEFUL_TIMEOUT_S,
+          access_log: bool = False) -> None:
+    """Serve ``model_path`` until SIGTERM or SIGINT (see the module docstring).
+
+    Args:
+        model_path: ``.onnx`` or ``.pt`` (`detpipe.predict.load_runner`).
+        data_dir: the run's data folder (``arrow/meta.json``, ``cache/meta.json``: `detpipe.predict.data_meta`).
+        host, port: where to listen (port 0: any free port, logged).
+        limits: `detpipe.serve.app.Limits` (default: its defaults).
+        max_connections: connections and requests at once (uvicorn's ``limit_concurrency``); more get 503.
+        graceful_timeout_s: seconds a stop waits for requests in flight.
+        access_log: log one line per request.
+    Raises:
+        StageError: bad options, a missing model file or data meta file, an address that cannot be bound, or a
+            model that cannot be loaded (after listening: the server stops).
+    """
+    import uvicorn
+    from PIL import Image
+
+    from detpipe.predict import data_meta, load_predictor
+    from detpipe.serve.app import Limits, Service, create_app
+
+    limits = limits or Limits()
+    limits.check()
+    if max_connections < 1:
+        raise StageError(f"--max-connections {max_connections}: must be at least 1")
+    model_path, data_dir = Path(model_path), Path(data_dir)
+    if not model_path.is_file():
+        raise StageError(f"{model_path}: model not found (run the pipeline, `dvc repro`, or pass --model "
+                         "models/model.onnx or models/model.pt)")
+    data_meta(data_dir)      # the data meta files now, as one-line errors, before listening
+    # Decode limits, explicitly: Pillow refuses (an error, not its default warning) any image over the limit.
+    Image.MAX_IMAGE_PIXELS = limits.max_pixels
+    warnings.simplefilter("error", Image.DecompressionBombWarning)
+
+    sock = listen_socket(host, port)
+    bound = sock.getsockname()[1]
+    server: uvicorn.Server | None = None
+    stop: list[int] = []
+
+    def fatal(reason: str) -> None:
+        log.error("serve: %s: stopping", reason)
+        server.should_exit = True
+
+    def on_signal(signum, frame) -> None:
+        # Before and after uvicorn's own handlers (it re-raises the signal it stopped on when it is done).
+        stop.append(signum)
+        if server is not None:
+            server.should_exit = True
+
+    service = Service(lambda: load_predictor(model_path, data_dir), limits, str(model_path), fatal)
+    config = uvicorn.Config(create_app(service), host=host, port=bound, loop="asyncio", http="h11", ws="none",
+                            lifespan="on", log_config=None, access_log=access_log, limit_concurrency=max_connections,
+                            timeout_graceful_shutdown=graceful_timeout_s, server_header=False)
+    server = uvicorn.Server(config)
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, on_signal)
+    if host not in ("127.0.0.1", "::1", "localhost"):
+        log.warning("serve: listening on %s: reachable from other machines, with no authentication", host)
+    log.info("serve: listening on http://%s:%d (pid %d); loading %s", host if ":" not in host else f"[{host}]", bound,
+             os.getpid(), model_path)
+    try:
+        asyncio.run(server.serve(sockets=[sock]))
+    finally:
+        sock.close()
+    if service.failed:
+        raise StageError(service.failed)
+    how = f"by {signal.Signals(stop[0]).name}" if stop else "its own"
+    log.info("serve: stopped %s; answered %d requests", how, server.server_state.total_requests)

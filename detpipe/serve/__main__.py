@@ -1,0 +1,56 @@
+"""``python -m detpipe.serve --model PATH [options]``: the command line of `detpipe.serve.serve` (``--help``)."""
+from __future__ import annotations
+
+import argparse
+import os
+
+from detpipe.errors import run_program
+from detpipe.predict import DEFAULT_DATA, DEFAULT_MODEL
+from detpipe.serve import DEFAULT_HOST, DEFAULT_PORT, GRACEFUL_TIMEOUT_S, MAX_CONNECTIONS, serve
+from detpipe.serve.app import Limits
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m detpipe.serve``: parse the command line (``--help``) and run `detpipe.serve.serve`."""
+    d = Limits()
+    p = argparse.ArgumentParser(
+        prog="python -m detpipe.serve",
+        description="Serve the exported (ONNX, default) or trained (model.pt) detector over HTTP: POST /predict an "
+                    "image (raw body or multipart), get its COCO results JSON as `python -m detpipe.predict` writes "
+                    "them; GET /healthz, GET /readyz.")
+    p.add_argument("--model", default=str(DEFAULT_MODEL),
+                   help=f"models/model.onnx (onnxruntime) or models/model.pt (eager PyTorch); default {DEFAULT_MODEL}")
+    p.add_argument("--data", default=str(DEFAULT_DATA),
+                   help="the run's data folder with arrow/meta.json (category ids and names) and cache/meta.json "
+                        f"(resize rule) (default {DEFAULT_DATA})")
+    p.add_argument("--host", default=DEFAULT_HOST, help=f"address to listen on (default {DEFAULT_HOST}: this machine "
+                                                        "only; there is no authentication)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"TCP port; 0: any free one (default {DEFAULT_PORT})")
+    p.add_argument("--score-threshold", type=float, default=d.score_threshold,
+                   help=f"default of the score_threshold query parameter, in [0, 1] (default {d.score_threshold})")
+    p.add_argument("--max-batch", type=int, default=d.max_batch, help=f"images per model call (default {d.max_batch})")
+    p.add_argument("--max-wait-ms", type=float, default=d.max_wait_s * 1000,
+                   help="milliseconds a batch waits to fill after its first image (default "
+                        f"{d.max_wait_s * 1000:g})")
+    p.add_argument("--queue-size", type=int, default=d.queue_size,
+                   help=f"requests admitted and waiting for the model; more are answered 503 (default {d.queue_size})")
+    p.add_argument("--max-bytes", type=int, default=d.max_bytes,
+                   help=f"largest request body in bytes; larger is 413 (default {d.max_bytes})")
+    p.add_argument("--max-pixels", type=int, default=d.max_pixels,
+                   help=f"most pixels (width x height) an image may declare; more is 422, before decoding "
+                        f"(default {d.max_pixels})")
+    p.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1),
+                   help="threads decoding and preparing images (default: CPU cores, at most 4)")
+    p.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS,
+                   help=f"connections and requests at once; more get 503 (default {MAX_CONNECTIONS})")
+    p.add_argument("--graceful-timeout", type=int, default=GRACEFUL_TIMEOUT_S,
+                   help=f"seconds a SIGTERM/SIGINT waits for requests in flight (default {GRACEFUL_TIMEOUT_S})")
+    p.add_argument("--access-log", action="store_true", help="log one line per request")
+    a = p.parse_args(argv)
+    limits = Limits(max_bytes=a.max_bytes, max_pixels=a.max_pixels, queue_size=a.queue_size, max_batch=a.max_batch,
+                    max_wait_s=a.max_wait_ms / 1000, workers=a.workers, score_threshold=a.score_threshold)
+    serve(a.model, a.data, a.host, a.port, limits, a.max_connections, a.graceful_timeout, a.access_log)
+
+
+if __name__ == "__main__":
+    run_program(main, stage="serve")
