@@ -29,12 +29,13 @@ gracefully (no new connections, requests in flight answered, at most ``--gracefu
 status 0; it starts no process. A missing model or data meta file, a port in use or a model that cannot be loaded
 is a one-line error (exit status 2).
 
-The package: `serve` here (the server's run), `detpipe.serve.app` (routes, limits, loading), `detpipe.serve.batcher`
-(the bounded queue and its model worker), ``__main__`` (the command line).
+The package: `serve` here (the server's run; `Limits`, its options), `detpipe.serve.app` (routes, limits,
+loading), `detpipe.serve.batcher` (the bounded queue and its model worker), ``__main__`` (the command line).
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -50,6 +51,40 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 MAX_CONNECTIONS = 32
 GRACEFUL_TIMEOUT_S = 10
+# predict's defaults (`detpipe.predict.DEFAULT_MODEL`, ``DEFAULT_DATA``, ``SCORE_THRESHOLD``), repeated so that the
+# command line and its option errors do not import torch
+DEFAULT_MODEL = Path("models/model.onnx")
+DEFAULT_DATA = Path("data")
+SCORE_THRESHOLD = 0.25
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What one server accepts and holds (the command's options).
+
+    ``max_bytes``: request body bytes (more: 413); ``max_pixels``: width x height an image may declare (more: 422,
+    refused before decoding; also Pillow's ``Image.MAX_IMAGE_PIXELS`` in the server process); ``queue_size``:
+    requests admitted and not yet in a batch (more: 503 with Retry-After); ``max_batch``: images per model call;
+    ``max_wait_s``: seconds a batch waits to fill after its first image; ``workers``: decoding threads;
+    ``score_threshold``: the default of the ``score_threshold`` query parameter, in [0, 1]."""
+
+    max_bytes: int = 16_000_000
+    max_pixels: int = 40_000_000
+    queue_size: int = 16
+    max_batch: int = 8
+    max_wait_s: float = 0.005
+    workers: int = 2
+    score_threshold: float = SCORE_THRESHOLD
+
+    def check(self) -> None:
+        """Raises `StageError` naming the option of a value out of range."""
+        for name, value, low in (("--max-bytes", self.max_bytes, 1), ("--max-pixels", self.max_pixels, 1),
+                                 ("--queue-size", self.queue_size, 1), ("--max-batch", self.max_batch, 1),
+                                 ("--workers", self.workers, 1), ("--max-wait-ms", self.max_wait_s * 1000, 0)):
+            if value < low:
+                raise StageError(f"{name} {value}: must be at least {low}")
+        if not 0.0 <= self.score_threshold <= 1.0:
+            raise StageError(f"--score-threshold {self.score_threshold}: must be in [0, 1] (scores are probabilities)")
 
 
 def listen_socket(host: str, port: int) -> socket.socket:
@@ -69,16 +104,17 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(model_path: Path | str, data_dir: Path | str = "data", host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
-          limits=None, max_connections: int = MAX_CONNECTIONS, graceful_timeout_s: int = GRACEFUL_TIMEOUT_S,
-          access_log: bool = False) -> None:
-    """Serve ``model_path`` until SIGTERM or SIGINT (see the module docstring).
+def serve(model_path: Path | str = DEFAULT_MODEL, data_dir: Path | str = DEFAULT_DATA, host: str = DEFAULT_HOST,
+          port: int = DEFAULT_PORT, limits: Limits | None = None, max_connections: int = MAX_CONNECTIONS,
+          graceful_timeout_s: int = GRACEFUL_TIMEOUT_S, access_log: bool = False) -> None:
+    """Serve ``model_path`` until SIGTERM or SIGINT (see the module docstring). Call it from the main thread: it
+    sets the SIGTERM and SIGINT handlers (uvicorn's, while it serves).
 
     Args:
         model_path: ``.onnx`` or ``.pt`` (`detpipe.predict.load_runner`).
         data_dir: the run's data folder (``arrow/meta.json``, ``cache/meta.json``: `detpipe.predict.data_meta`).
         host, port: where to listen (port 0: any free port, logged).
-        limits: `detpipe.serve.app.Limits` (default: its defaults).
+        limits: `Limits` (default: its defaults).
         max_connections: connections and requests at once (uvicorn's ``limit_concurrency``); more get 503.
         graceful_timeout_s: seconds a stop waits for requests in flight.
         access_log: log one line per request.
@@ -86,12 +122,6 @@ def serve(model_path: Path | str, data_dir: Path | str = "data", host: str = DEF
         StageError: bad options, a missing model file or data meta file, an address that cannot be bound, or a
             model that cannot be loaded (after listening: the server stops).
     """
-    import uvicorn
-    from PIL import Image
-
-    from detpipe.predict import data_meta, load_predictor
-    from detpipe.serve.app import Limits, Service, create_app
-
     limits = limits or Limits()
     limits.check()
     if max_connections < 1:
@@ -100,12 +130,26 @@ def serve(model_path: Path | str, data_dir: Path | str = "data", host: str = DEF
     if not model_path.is_file():
         raise StageError(f"{model_path}: model not found (run the pipeline, `dvc repro`, or pass --model "
                          "models/model.onnx or models/model.pt)")
-    data_meta(data_dir)      # the data meta files now, as one-line errors, before listening
+    sock = listen_socket(host, port)   # before the heavy imports: a bad option or address fails in a second
+    try:
+        _serve(sock, model_path, data_dir, host, limits, max_connections, graceful_timeout_s, access_log)
+    finally:
+        sock.close()
+
+
+def _serve(sock: socket.socket, model_path: Path, data_dir: Path, host: str, limits: Limits, max_connections: int,
+           graceful_timeout_s: int, access_log: bool) -> None:
+    """`serve` once its socket is bound."""
+    import uvicorn
+    from PIL import Image
+
+    from detpipe.predict import data_meta, load_predictor
+    from detpipe.serve.app import Service, create_app
+
+    data_meta(data_dir)      # the data meta files now, as one-line errors, before the model loads
     # Decode limits, explicitly: Pillow refuses (an error, not its default warning) any image over the limit.
     Image.MAX_IMAGE_PIXELS = limits.max_pixels
     warnings.simplefilter("error", Image.DecompressionBombWarning)
-
-    sock = listen_socket(host, port)
     bound = sock.getsockname()[1]
     server: uvicorn.Server | None = None
     stop: list[int] = []
@@ -131,10 +175,7 @@ def serve(model_path: Path | str, data_dir: Path | str = "data", host: str = DEF
         log.warning("serve: listening on %s: reachable from other machines, with no authentication", host)
     log.info("serve: listening on http://%s:%d (pid %d); loading %s", host if ":" not in host else f"[{host}]", bound,
              os.getpid(), model_path)
-    try:
-        asyncio.run(server.serve(sockets=[sock]))
-    finally:
-        sock.close()
+    asyncio.run(server.serve(sockets=[sock]))
     if service.failed:
         raise StageError(service.failed)
     how = f"by {signal.Signals(stop[0]).name}" if stop else "its own"

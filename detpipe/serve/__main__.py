@@ -5,9 +5,8 @@ import argparse
 import os
 
 from detpipe.errors import run_program
-from detpipe.predict import DEFAULT_DATA, DEFAULT_MODEL
-from detpipe.serve import DEFAULT_HOST, DEFAULT_PORT, GRACEFUL_TIMEOUT_S, MAX_CONNECTIONS, serve
-from detpipe.serve.app import Limits
+from detpipe.serve import (DEFAULT_DATA, DEFAULT_HOST, DEFAULT_MODEL, DEFAULT_PORT, GRACEFUL_TIMEOUT_S, MAX_CONNECTIONS,
+                           Limits, serve)
 
 
 def main(argv: list[str] | None = None) -> None:

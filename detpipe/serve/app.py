@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import contextlib
-import dataclasses
 import io
 import logging
 import re
@@ -24,7 +23,8 @@ from starlette.routing import Route
 from detpipe import params as params_mod
 from detpipe.data.augmentation import target_size
 from detpipe.errors import StageError
-from detpipe.predict import SCORE_THRESHOLD, Predictor, prepare
+from detpipe.predict import Predictor, prepare
+from detpipe.serve import Limits
 from detpipe.serve.batcher import Batcher, QueueFull
 
 log = logging.getLogger("detpipe.serve")
@@ -34,35 +34,6 @@ log = logging.getLogger("detpipe.serve")
 ACCEPTED_FORMATS = ("JPEG", "PNG", "WEBP", "BMP", "GIF", "TIFF")
 RETRY_AFTER_S = 1  # the Retry-After of a 503 (queue full, model not ready), in seconds
 ROUTES_HELP = "POST /predict (an image), GET /healthz, GET /readyz"
-
-
-@dataclasses.dataclass(frozen=True)
-class Limits:
-    """What one server accepts and holds (the command's options).
-
-    ``max_bytes``: request body bytes (more: 413); ``max_pixels``: width x height an image may declare (more: 422,
-    refused before decoding; also Pillow's ``Image.MAX_IMAGE_PIXELS`` in the server process); ``queue_size``:
-    requests admitted and not yet in a batch (more: 503 with Retry-After); ``max_batch``: images per model call;
-    ``max_wait_s``: seconds a batch waits to fill after its first image; ``workers``: decoding threads;
-    ``score_threshold``: the default of the ``score_threshold`` query parameter, in [0, 1]."""
-
-    max_bytes: int = 16_000_000
-    max_pixels: int = 40_000_000
-    queue_size: int = 16
-    max_batch: int = 8
-    max_wait_s: float = 0.005
-    workers: int = 2
-    score_threshold: float = SCORE_THRESHOLD
-
-    def check(self) -> None:
-        """Raises `StageError` naming the option of a value out of range."""
-        for name, value, low in (("--max-bytes", self.max_bytes, 1), ("--max-pixels", self.max_pixels, 1),
-                                 ("--queue-size", self.queue_size, 1), ("--max-batch", self.max_batch, 1),
-                                 ("--workers", self.workers, 1), ("--max-wait-ms", self.max_wait_s * 1000, 0)):
-            if value < low:
-                raise StageError(f"{name} {value}: must be at least {low}")
-        if not 0.0 <= self.score_threshold <= 1.0:
-            raise StageError(f"--score-threshold {self.score_threshold}: must be in [0, 1] (scores are probabilities)")
 
 
 class Rejected(Exception):
@@ -214,10 +185,10 @@ class Service:
             warm = torch.zeros(3, *target_size(480, 640, predictor.cfg))
             await loop.run_in_executor(self.model_pool, predictor.run, [warm])
         except StageError as e:
-            self.failed = str(e)
+            self.failed = one_line(e, 2000)
         except Exception as e:  # noqa: BLE001 - reported as one line; the server stops
             log.exception("serve: loading the model failed")
-            self.failed = f"{self.model_name}: cannot load the model ({type(e).__name__}: {e})"
+            self.failed = one_line(f"{self.model_name}: cannot load the model ({type(e).__name__}: {e})", 2000)
         if self.failed:
             self.on_fatal(self.failed)
             return
