@@ -124,7 +124,7 @@ for _name, _build in (("learns_prepared", _learns_prepared), ("fitted_workdir", 
     prebuild.register(_name, _build)
 # Built in the background in this order when a selected test uses them: the order of first need in a full run
 # (`RUN_LATE` included): trained_workdir (test_evaluate), reproduced_repo (test_export), the learns trainings
-# (test_learns, test_predict), two_rank_workdir (test_cluster, test_elastic), prefect_api (test_cluster),
+# (test_learns, test_predict, test_serve), two_rank_workdir (test_cluster, test_elastic), prefect_api (test_cluster),
 # killed_run (test_flows), workers_team (test_workers comes last); then any other registered build. The test
 # modules register their own (test_flows' killed_run, test_workers' workers_team, test_learns' trainings on
 # corrupted caches). The session fixtures the first test files need at once (cached_workdir, s3_server) are built
@@ -135,7 +135,7 @@ BUILT_FIRST_BY_TESTS = ("cached_workdir", "s3_server")
 # Modules run after the other tests of their level (tests/unit, tests/stages, tests/system: pyproject's testpaths),
 # because their session fixtures are the longest background builds (three 150-iteration trainings, about 6 min of
 # one core): in file order test_learns came 4 min into the run and waited for them with the other core idle.
-RUN_LATE = ("tests/stages/test_learns.py", "tests/stages/test_predict.py")
+RUN_LATE = ("tests/stages/test_learns.py", "tests/stages/test_predict.py", "tests/stages/test_serve.py")
 
 
 def pytest_collection_modifyitems(session, config, items):
