@@ -231,6 +231,9 @@ class Export(_Section):
     require_parity: bool = Field(default=True, description='false: export even when the parity gate compared nothing (a model without a known head).')
     torchscript: bool = Field(default=False, description='Also write models/torchscript/model.ts (torch.jit.script; deprecated by PyTorch, for LibTorch/C++ deployments).')
     torch_export: bool = Field(default=True, description='Write and check models/torch_export/model.pt2 (torch.export, dynamic H and W); false leaves the folder empty. Exporting and loading the file back are most of this stage\'s time (about 45 of 55 s for the default model on 2 CPU cores); ONNX alone is then checked.')
+    formats: list[Literal["openvino", "int8"]] = Field(default_factory=list, description='Extra deployment formats (opt-in: they add ~2 min to the default run\'s export stage on 2 CPU cores, docs/export.md) made from the checked ONNX file: openvino (models/openvino/model.xml + .bin, OpenVINO IR for its CPU runtime; the same raw-output parity gate as ONNX) and int8 (models/int8/model.int8.onnx, onnxruntime static post-training quantization, QDQ, calibrated on calibration_images train images; gated by max_ap_drop). [] (default) writes neither (the folders stay empty).')
+    calibration_images: int = Field(default=32, ge=1, description='int8: training images of the augmentation cache (data/cache/train, evenly spaced) whose activation ranges calibrate the quantization (MinMax).')
+    max_ap_drop: float = Field(default=0.02, ge=0, le=1, description='int8 accuracy gate: COCO AP and AP50 (0-1, as metrics/eval.json) of the int8 model on val may each be at most this much below the eager model\'s on the same images (0.02 = 2 AP points), else the stage fails and writes nothing.')
 
 
 class Flows(_Section):

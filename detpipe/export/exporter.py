@@ -427,13 +427,32 @@ train {{ meta['splits']['train']['images'] }} images, val {{ meta['splits']['val
 | `torchscript/model.ts` (TorchScript) | `list[Tensor]`, each `float32 (3, H, W)` RGB in [0, 1] | \
 `(losses, detections)`; `detections[i]`: `boxes`, `scores`, `labels`{{ ', `masks`' if masks else '' }} as above |
 {% endif %}
+{% if 'openvino' in report['formats'] %}
+| `openvino/model.xml` + `model.bin` (OpenVINO IR, float32, from the ONNX file) | {{ image_spec }} | {{ outputs }} |
+{% endif %}
+{% if 'int8' in report['formats'] %}
+| `int8/model.int8.onnx` (int8, QDQ: onnxruntime static quantization, \
+calibrated on {{ report['formats']['int8']['calibration_images'] }} train images) | {{ image_spec }} | {{ outputs }} |
+{% endif %}
 
-Parity with the eager model on {{ report['images'] }} val images: raw head outputs (before top-k/NMS) equal within \
-{{ report['rtol'] }} of their rms magnitude: \
-{% for name, r in report['formats'].items() %}{{ ', ' if not loop.first else '' }}\
-{{ name }} {{ 'pass' if r['raw']['ok'] else 'FAIL' }} \
+Gates, per format:
+
+| format | gate | result |
+|---|---|---|
+{% for name, r in report['formats'].items() %}
+{% if r.get('gate') == 'accuracy' %}
+| {{ name }} | accuracy: COCO AP and AP50 on {{ r['val_images'] }} val images within \
+{{ r['accuracy']['max_ap_drop'] }} of eager | {{ 'pass' if r['accuracy']['ok'] else 'FAIL' }}: \
+AP {{ r['accuracy']['int8']['AP'] | fmt('.4f') }} (eager {{ r['accuracy']['eager']['AP'] | fmt('.4f') }}), \
+AP50 {{ r['accuracy']['int8']['AP50'] | fmt('.4f') }} (eager {{ r['accuracy']['eager']['AP50'] | fmt('.4f') }}) |
+{% else %}
+| {{ name }} | parity: raw head outputs (before top-k/NMS) on {{ report['images'] }} val images equal within \
+{{ report['rtol'] }} of their rms magnitude | {{ 'pass' if r['raw']['ok'] else 'FAIL' }} \
 (largest relative difference {{ r['raw']['max_rel_diff'] | fmt('.2g') }}; \
-final detections matched {{ r['detections']['match'] | fmt('.3f') }}){% endfor %}.
+final detections matched {{ r['detections']['match'] | fmt('.3f') }}) |
+{% endif %}
+{% endfor %}
+
 Labels map to COCO category ids via `category_id_to_label` in `data/arrow/meta.json`:
 
 ```json
@@ -460,6 +479,19 @@ image = np.asarray(Image.open('image.jpg').convert('RGB'), np.float32).transpose
 session = ort.InferenceSession('models/model.onnx', providers=['CPUExecutionProvider'])
 boxes, scores, labels = session.run(['boxes', 'scores', 'labels'], {'image': image})
 ```
+{% if 'openvino' in report['formats'] %}
+
+```python
+import openvino as ov
+compiled = ov.Core().compile_model('models/openvino/model.xml', 'CPU', {'INFERENCE_PRECISION_HINT': 'f32'})
+result = compiled({'image': image})  # image as for onnxruntime
+boxes, scores, labels = (result[compiled.output(name)] for name in ('boxes', 'scores', 'labels'))
+```
+{% endif %}
+{% if 'int8' in report['formats'] %}
+
+The int8 file runs like `model.onnx` (`ort.InferenceSession('models/int8/model.int8.onnx', ...)`).
+{% endif %}
 """
 
 

@@ -10,18 +10,25 @@ takes one ``float32 (3, H, W)`` RGB image in [0, 1], H and W dynamic), ``models/
 ``labels`` ``int64 (N,)``, for mask models ``masks`` ``float32 (N, 1, H, W)`` (probabilities, > 0.5 in the mask),
 then the raw pre-NMS head outputs; ``models/torchscript/`` (empty, or with ``export.torchscript: true``
 ``model.ts``: ``torch.jit.script``, torchvision's ``(losses, detections)`` API, for LibTorch/C++ users);
-``models/export_report.json`` and ``models/model_card.md``.
+``models/export_report.json`` and ``models/model_card.md``. With ``export.formats`` (opt-in, default ``[]``;
+`detpipe.export.formats`), from the checked ONNX file: ``models/openvino/model.xml`` + ``model.bin`` (OpenVINO IR,
+float32, same signature) and ``models/int8/model.int8.onnx`` (int8 QDQ, onnxruntime static quantization calibrated
+on ``export.calibration_images`` images of ``data/cache/train``); their folders stay empty otherwise.
 
 Parity gate, on ``export.num_images`` val images: every raw head output (before top-k and NMS, so that ties among
 the near-equal scores of a barely trained model cannot reorder anything) of each file, as loaded back, must equal
 the eager model's within ``export.rtol`` of its root-mean-square magnitude (`detpipe.export.exporter.compare_raw`). The final
 detections are matched too (``export.score_threshold``, ``export.iou_match``) and reported, not gated. A run that
-compared nothing fails unless ``export.require_parity: false``. Nothing is written unless every check passes.
+compared nothing fails unless ``export.require_parity: false``. The OpenVINO IR gets the same parity gate. The
+int8 file gets an accuracy gate instead (it cannot be bit-close): COCO AP and AP50 (bbox, 0-1) of the int8 file and
+of the eager model on every val image, scored by the evaluate stage's code, must each drop by at most
+``export.max_ap_drop``. Nothing is written unless every check passes.
 """
 from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -31,20 +38,25 @@ from detpipe.data.dataset import CachedDetectionDataset, uses_masks
 from detpipe.errors import StageError
 from detpipe.export.exporter import (TORCH_EXPORT_UNSUPPORTED, DetectionExport, export_onnx, export_program,
                                      export_torchscript, model_card, parity, split_outputs, torch_export_supported)
+from detpipe.export.formats import (accuracy_gate, calibration_images, coco_ap, export_openvino, quantize_int8,
+                                    val_results)
 from detpipe.files import atomic_dir, atomic_write_bytes, atomic_write_json, temp_prefix
 from detpipe.models import load_model
 from detpipe.paths import ARROW_DIR, CACHE_DIR, METRICS, MODEL, MODELS_DIR
 
 log = logging.getLogger(__name__)
-FILES = {"torch_export": "torch_export/model.pt2", "onnx": "model.onnx", "torchscript": "torchscript/model.ts"}
+FILES = {"torch_export": "torch_export/model.pt2", "onnx": "model.onnx", "torchscript": "torchscript/model.ts",
+         "openvino": "openvino/model.xml", "int8": "int8/model.int8.onnx"}
+FOLDERS = ("torch_export", "torchscript", "openvino", "int8")   # DVC outputs, empty when their format is off
 
 
 def export(cfg: params_mod.Export, model_path: Path = MODEL, cache_dir: Path = CACHE_DIR,
            out_dir: Path = MODELS_DIR, arrow_dir: Path = ARROW_DIR, metrics_path: Path = METRICS,
-           model: torch.nn.Module | None = None) -> dict:
+           model: torch.nn.Module | None = None, calibration: list[torch.Tensor] | None = None) -> dict:
     """Write the files of `FILES` (TorchScript only with ``cfg.torchscript``, torch.export unless
-    ``cfg.torch_export`` is false), ``export_report.json`` and
-    ``model_card.md`` into ``out_dir``, nothing unless every parity check passes; return the report.
+    ``cfg.torch_export`` is false, OpenVINO and int8 as ``cfg.formats`` says), ``export_report.json`` and
+    ``model_card.md`` into ``out_dir``, nothing unless every gate passes (the parity gate for the float files, the
+    accuracy gate for int8); return the report.
 
     Args:
         cfg: params section ``export``.
@@ -54,11 +66,16 @@ def export(cfg: params_mod.Export, model_path: Path = MODEL, cache_dir: Path = C
         arrow_dir, metrics_path: read for the model card.
         model: export this module instead of the one in ``model_path`` (the eager reference stays the one in
             ``model_path``; tests pass a perturbed copy to see the gate fail).
+        calibration: int8: calibrate on these ``float32 (3, H, W)`` images instead of ``cfg.calibration_images``
+            images of ``cache_dir/train`` (tests pass blank images to see the accuracy gate fail).
     Returns:
-        the report written to ``export_report.json``.
+        the report written to ``export_report.json``: per format under ``formats``, ``gate`` (``parity`` or
+        ``accuracy``) and its figures (`detpipe.export.exporter.parity`; int8: `accuracy_gate` under ``accuracy``);
+        ``seconds`` per format (export + check).
     Raises:
         StageError: missing inputs; parity failed (names the format, tensor, image and figures); nothing compared
-            and ``cfg.require_parity``.
+            and ``cfg.require_parity``; the int8 model's AP or AP50 on val more than ``cfg.max_ap_drop`` below the
+            eager model's (one line with both figures); OpenVINO or onnxruntime's quantizer refused the graph.
     """
     reference, ckpt = load_model(model_path)
     masks = uses_masks(reference)
@@ -67,19 +84,21 @@ def export(cfg: params_mod.Export, model_path: Path = MODEL, cache_dir: Path = C
     if not images:
         raise StageError(f"{cache_dir}/val: no images to check the export on")
     eager_wrapper = DetectionExport(reference, masks).eval()
-    names = eager_wrapper.output_names(images[0])[3 + int(masks):]
+    all_names = eager_wrapper.output_names(images[0])
+    names = all_names[3 + int(masks):]
     with torch.inference_mode():
         eager = [split_outputs(eager_wrapper(im), masks) for im in images]
     target = model.eval() if model is not None else reference
     wrapper = DetectionExport(target, masks).eval() if model is not None else eager_wrapper
     report = {"images": len(images), "rtol": cfg.rtol, "score_threshold": cfg.score_threshold,
-              "iou_match": cfg.iou_match, "opset": cfg.opset, "masks": masks, "raw_outputs": names, "formats": {}}
+              "iou_match": cfg.iou_match, "opset": cfg.opset, "masks": masks, "raw_outputs": names, "formats": {},
+              "seconds": {}}
 
     # named by the temporary-name rule, so that `detpipe.ops.repair` removes what a killed export left
     staging = Path(out_dir) / f"{temp_prefix(Path(out_dir) / 'export')}{os.getpid()}"
     with atomic_dir(staging) as tmp:
-        (tmp / "torchscript").mkdir()
-        (tmp / "torch_export").mkdir()
+        for folder in FOLDERS:
+            (tmp / folder).mkdir()
         runners = {"onnx": lambda p: export_onnx(wrapper, images[0], p, cfg.opset)}
         if not cfg.torch_export:
             report["skipped"] = {"torch_export": "export.torch_export: false"}
@@ -90,18 +109,28 @@ def export(cfg: params_mod.Export, model_path: Path = MODEL, cache_dir: Path = C
             log.warning("models/torch_export left empty: %s", TORCH_EXPORT_UNSUPPORTED)
         if cfg.torchscript:
             runners["torchscript"] = lambda p: export_torchscript(target, p, masks)
+        if "openvino" in cfg.formats:   # from the ONNX file just written (runners run in this order)
+            runners["openvino"] = lambda p: export_openvino(tmp / FILES["onnx"], p, all_names)
         if not names and cfg.require_parity:   # no raw output to compare: fail before minutes of exporting
             _nothing_compared(list(runners), cfg)
         for fmt, make in runners.items():
+            t0 = time.perf_counter()
             run = make(tmp / FILES[fmt])
             with torch.inference_mode():
                 outs = [split_outputs(run(im), masks) for im in images]
-            report["formats"][fmt] = r = parity(eager, outs, names, cfg.rtol, cfg.score_threshold, cfg.iou_match)
+            report["formats"][fmt] = r = {"gate": "parity", **parity(eager, outs, names, cfg.rtol,
+                                                                     cfg.score_threshold, cfg.iou_match)}
+            report["seconds"][fmt] = time.perf_counter() - t0
             log.info("%s parity: raw %s; detections %s", fmt, r["raw"], r["detections"])
         _verdict(report, cfg)
+        if "int8" in cfg.formats:
+            t0 = time.perf_counter()
+            report["formats"]["int8"] = _int8(tmp, cfg, eager_wrapper, eager, images, names, masks, cache_dir,
+                                              arrow_dir, calibration)
+            report["seconds"]["int8"] = time.perf_counter() - t0
         atomic_write_json(tmp / "export_report.json", report)
         atomic_write_bytes(tmp / "model_card.md", model_card(ckpt, report, arrow_dir, metrics_path).encode())
-    for rel in ["torch_export", FILES["onnx"], "torchscript", "export_report.json", "model_card.md"]:
+    for rel in [*FOLDERS, FILES["onnx"], "export_report.json", "model_card.md"]:
         dest = Path(out_dir) / rel
         if dest.is_dir():
             for old in dest.iterdir():
@@ -110,6 +139,54 @@ def export(cfg: params_mod.Export, model_path: Path = MODEL, cache_dir: Path = C
         (staging / rel).replace(dest)
     staging.rmdir()
     return report
+
+
+def _int8(tmp: Path, cfg: params_mod.Export, eager_wrapper: DetectionExport, eager: list, images: list[torch.Tensor],
+          names: list[str], masks: bool, cache_dir: Path, arrow_dir: Path,
+          calibration: list[torch.Tensor] | None) -> dict:
+    """Quantize ``tmp/model.onnx`` to ``tmp/`` ``FILES["int8"]`` (`detpipe.export.formats.quantize_int8`) and gate it:
+    COCO AP and AP50 (bbox, 0-1) of the int8 file and of the eager model over every val image of ``cache_dir``,
+    against ``arrow_dir/val``'s ground truth, scored by the evaluate stage's code
+    (`detpipe.export.formats.val_results`, `detpipe.export.formats.coco_ap`). Returns the report entry: ``gate``,
+    ``accuracy`` (`detpipe.export.formats.accuracy_gate`), ``calibration_images``, ``val_images`` and the raw-output
+    figures of the parity check (not gated: int8 is not bit-close).
+
+    Raises:
+        StageError: the gate failed (one line: int8 and eager AP and AP50, the drops, the limit; nothing written).
+    """
+    from detpipe.data.meta import read_meta
+    from detpipe.evaluation.detections import label_to_category_id
+    from detpipe.evaluation.ground_truth import gt_from_arrow
+
+    t0 = time.perf_counter()
+    calib = calibration if calibration is not None else calibration_images(cache_dir, cfg.calibration_images)
+    run = quantize_int8(tmp / FILES["onnx"], tmp / FILES["int8"], calib, names)
+    t1 = time.perf_counter()
+    meta = read_meta(Path(arrow_dir) / "meta.json", "convert")
+    l2c = label_to_category_id(meta)
+    val = CachedDetectionDataset(cache_dir, "val")
+    gt = gt_from_arrow(Path(arrow_dir) / "val", meta)
+    with torch.inference_mode():
+        eager_ap = coco_ap(val_results(eager_wrapper, val, l2c, masks), gt, "eager predictions")
+    t2 = time.perf_counter()
+    int8_ap = coco_ap(val_results(run, val, l2c, masks), gt, f"predictions of {FILES['int8']}")
+    t3 = time.perf_counter()
+    verdict = accuracy_gate(eager_ap, int8_ap, cfg.max_ap_drop)
+    with torch.inference_mode():
+        outs = [split_outputs(run(im), masks) for im in images]
+    figures = parity(eager, outs, names, cfg.rtol, cfg.score_threshold, cfg.iou_match)
+    log.info("int8 accuracy on %d val images: AP %.4f (eager %.4f), AP50 %.4f (eager %.4f); %s (quantized in "
+             "%.1f s, eager val %.1f s, int8 val %.1f s)", len(val), int8_ap["AP"], eager_ap["AP"], int8_ap["AP50"],
+             eager_ap["AP50"], "pass" if verdict["ok"] else "FAIL", t1 - t0, t2 - t1, t3 - t2)
+    if not verdict["ok"]:
+        raise StageError(
+            f"export accuracy gate failed: int8 ({FILES['int8']}, QDQ, calibrated on {len(calib)} images) on "
+            f"{len(val)} val images: AP {int8_ap['AP']:.4f} vs eager {eager_ap['AP']:.4f}, AP50 "
+            f"{int8_ap['AP50']:.4f} vs eager {eager_ap['AP50']:.4f} (drops {verdict['drop']['AP']:.4f} and "
+            f"{verdict['drop']['AP50']:.4f}; export.max_ap_drop {cfg.max_ap_drop}); nothing written")
+    return {"gate": "accuracy", "accuracy": verdict, "calibration_images": len(calib), "val_images": len(val),
+            "raw_figures": figures["raw"], "detections": figures["detections"],
+            "seconds": {"quantize": t1 - t0, "eager_val": t2 - t1, "int8_val": t3 - t2}}
 
 
 def _verdict(report: dict, cfg: params_mod.Export) -> None:

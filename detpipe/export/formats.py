@@ -1,0 +1,268 @@
+"""The export stage's extra deployment formats (``export.formats``), made from the checked ONNX file: OpenVINO IR
+(`export_openvino`, gated like ONNX by the raw-output parity gate) and int8 ONNX (`quantize_int8`: onnxruntime's
+post-training static quantization, QDQ, gated by `accuracy_gate`: COCO AP and AP50 on val within
+``export.max_ap_drop`` of the eager model's).
+
+OpenVINO is run on its CPU plugin with ``INFERENCE_PRECISION_HINT: f32`` (`OPENVINO_CONFIG`): on CPUs with bf16
+or AMX units the plugin's default would compute in bf16, which is not the float model the parity gate checks.
+Telemetry: `openvino_quiet` keeps OpenVINO's converter from sending anything or writing into the home folder (see
+its docstring); the runtime (``openvino.Core``) sends none.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+
+from detpipe.errors import StageError
+
+log = logging.getLogger(__name__)
+
+OPENVINO_CONFIG = {"INFERENCE_PRECISION_HINT": "f32"}
+# The network's op types that int8 quantization covers (the QDQ pairs onnxruntime fuses into QLinearConv etc.);
+# the postprocess (softmax, box decoding, top-k, NMS) stays float32: `network_nodes`.
+QUANTIZED_OPS = ("Conv", "Add", "Mul", "GlobalAveragePool", "HardSigmoid", "Relu", "Clip", "MaxPool", "AveragePool")
+
+
+@contextlib.contextmanager
+def openvino_quiet() -> Iterator[None]:
+    """While converting with ``openvino.convert_model``: no telemetry, nothing written to the home folder.
+
+    OpenVINO's converter (``openvino.tools.ovc.telemetry_utils.init_ovc_telemetry``, openvino 2026.4) starts the
+    ``openvino_telemetry`` package (2025.2) with ``enable_opt_in_dialog=False, disable_in_ci=True``: opt-out
+    telemetry, sent to Google Analytics unless the consent file ``~/intel/openvino_telemetry`` says ``0`` (what
+    ``opt_in_out --opt_out`` writes: https://docs.openvino.ai/2026/about-openvino/additional-resources/telemetry.html),
+    and without that file it *creates* ``~/intel/`` and a client-id file. Its
+    ``OptInChecker.check`` declines first thing, before any file is touched, when the process looks like a CI job
+    (``CI=true`` in the environment, ``_run_in_ci``); ``Telemetry.consent`` is then False and every
+    ``send_*`` call returns without sending. So ``CI=true`` is set for the block and the previous value restored:
+    the opt-out holds for this process without editing the user's consent file. Nothing to do with the package
+    missing (``telemetry_stub``)."""
+    previous = os.environ.get("CI")
+    os.environ["CI"] = "true"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("CI", None)
+        else:
+            os.environ["CI"] = previous
+
+
+def export_openvino(onnx_path: Path, xml_path: Path, names: list[str] | None = None) -> Callable:
+    """Convert the ONNX file to OpenVINO IR (``openvino.convert_model``, then ``openvino.save_model`` with
+    ``compress_to_fp16=False``: float32 weights, as checked) at ``xml_path`` (+ ``.bin`` beside it); return a
+    runner over the saved IR as loaded back (`openvino_runner`, outputs in the order of ``names``).
+
+    Raises:
+        StageError: the converter refused the graph, or the IR lacks one of ``names`` (names the file and the
+            reason).
+    """
+    import openvino as ov
+
+    try:
+        with openvino_quiet():
+            model = ov.convert_model(str(onnx_path))
+        ov.save_model(model, str(xml_path), compress_to_fp16=False)
+    except Exception as e:  # noqa: BLE001 - OpenVINO raises its own error types for unsupported graphs
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise StageError(f"{onnx_path}: OpenVINO cannot convert it ({type(e).__name__}: {reason})") from None
+    return openvino_runner(xml_path, names)
+
+
+def openvino_runner(xml_path: Path, names: list[str] | None = None) -> Callable:
+    """A runner for an OpenVINO IR written by `export_openvino`: ``image`` ``float32 (3, H, W)`` torch tensor in
+    [0, 1] -> numpy arrays, the outputs named ``names`` in that order (None: the file's outputs in its order,
+    `detpipe.export.exporter.DetectionExport`'s). CPU plugin with `OPENVINO_CONFIG`; one infer request, so one call
+    at a time.
+
+    Raises:
+        StageError: an output of ``names`` is not in the file.
+    """
+    import openvino as ov
+
+    compiled = ov.Core().compile_model(str(xml_path), "CPU", OPENVINO_CONFIG)
+    request = compiled.create_infer_request()
+    by_name = {name: o for o in compiled.outputs for name in o.get_names()}
+    missing = [n for n in names or [] if n not in by_name]
+    if missing:
+        raise StageError(f"{xml_path}: outputs {missing} missing (the file has {sorted(by_name)})")
+    outputs = [by_name[n] for n in names] if names else list(compiled.outputs)
+
+    def run(image: torch.Tensor) -> list[np.ndarray]:
+        result = request.infer({"image": np.ascontiguousarray(image.numpy())})
+        return [np.array(result[o]) for o in outputs]
+    return run
+
+
+def network_nodes(onnx_model, raw_names: list[str]) -> list[str]:
+    """Names of the ONNX nodes int8 quantization covers: those of type `QUANTIZED_OPS` on a path from the graph's
+    first ``Conv`` (the backbone's stem) to a raw head output (``raw_names``: the convolutional network itself),
+    so the input normalisation, the resize arithmetic and the postprocess (softmax, box decoding, top-k, NMS: float
+    ops whose ranges are data-dependent and whose rounding would move boxes and reorder scores) stay float32."""
+    graph = onnx_model.graph
+    producer = {out: node for node in graph.node for out in node.output}
+    ancestors: set[str] = set()
+    todo = [producer[n] for n in raw_names if n in producer]
+    while todo:
+        node = todo.pop()
+        if node.name in ancestors:
+            continue
+        ancestors.add(node.name)
+        todo += [producer[i] for i in node.input if i in producer]
+    consumers: dict[str, list] = {}
+    for node in graph.node:
+        for i in node.input:
+            consumers.setdefault(i, []).append(node)
+    first = next((node for node in graph.node if node.op_type == "Conv"), None)
+    if first is None:
+        return []
+    descendants: set[str] = set()
+    todo = [first]
+    while todo:
+        node = todo.pop()
+        if node.name in descendants:
+            continue
+        descendants.add(node.name)
+        todo += [c for out in node.output for c in consumers.get(out, [])]
+    return [node.name for node in graph.node
+            if node.op_type in QUANTIZED_OPS and node.name in ancestors and node.name in descendants]
+
+
+def quantize_int8(onnx_path: Path, out_path: Path, calibration: list[torch.Tensor], raw_names: list[str]) -> Callable:
+    """Post-training static int8 quantization of the ONNX file with onnxruntime
+    (``onnxruntime.quantization.quantize_static``, https://onnxruntime.ai/docs/performance/model-optimizations/quantization.html):
+    QDQ format, activations ``QUInt8`` (asymmetric, MinMax calibration over ``calibration``), weights ``QInt8`` per
+    output channel with ``reduce_range`` (7-bit weights: this machine's AVX2 without VNNI multiplies u8 x s8 with a
+    16-bit intermediate that saturates at full range, as onnxruntime's documentation warns), on the network's
+    nodes only (`network_nodes`). Returns a runner over the written file (onnxruntime, CPU).
+
+    Args:
+        onnx_path: the float ONNX file (checked by the parity gate).
+        out_path: where the int8 file goes.
+        calibration: ``float32 (3, H, W)`` images in [0, 1] (training images from the augmentation cache).
+        raw_names: the raw head outputs (`detpipe.export.exporter.DetectionExport.output_names`).
+    Raises:
+        StageError: no calibration image, or onnxruntime could not quantize the graph.
+    """
+    import onnx
+    import onnxruntime as ort
+    from onnxruntime.quantization import (CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType,
+                                          quantize_static)
+
+    if not calibration:
+        raise StageError(f"{out_path}: no calibration images (export.calibration_images >= 1, data/cache/train)")
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.items = iter([{"image": np.ascontiguousarray(im.numpy())} for im in calibration])
+
+        def get_next(self):
+            return next(self.items, None)
+
+    nodes = network_nodes(onnx.load(str(onnx_path)), raw_names)
+    if not nodes:
+        raise StageError(f"{onnx_path}: no convolutional network between the input and the raw outputs "
+                         f"{raw_names} to quantize")
+    ort.set_default_logger_severity(3)   # the calibration sessions warn once per unused initializer (hundreds)
+    try:
+        quantize_static(str(onnx_path), str(out_path), Reader(), quant_format=QuantFormat.QDQ,
+                        activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, per_channel=True,
+                        reduce_range=True, calibrate_method=CalibrationMethod.MinMax, nodes_to_quantize=nodes,
+                        op_types_to_quantize=list(QUANTIZED_OPS))
+    except Exception as e:  # noqa: BLE001 - onnxruntime's quantizer raises assorted types
+        raise StageError(f"{onnx_path}: onnxruntime could not quantize it ({type(e).__name__}: {e})") from None
+    finally:
+        ort.set_default_logger_severity(2)   # onnxruntime's default (warnings); it has no getter
+    _drop_unused_initializers(out_path)
+    session = ort.InferenceSession(str(out_path), providers=["CPUExecutionProvider"])
+    return lambda im: session.run(None, {"image": im.numpy()})
+
+
+def _drop_unused_initializers(path: Path) -> None:
+    """Remove the initializers no node of the main graph reads (quantize_static leaves the float constants its
+    QDQ nodes replaced; onnxruntime would warn once per such constant at every load). Subgraph inputs count as read."""
+    import onnx
+
+    model = onnx.load(str(path))
+    used: set[str] = set()
+
+    def collect(graph) -> None:
+        for node in graph.node:
+            used.update(node.input)
+            for attr in node.attribute:
+                for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                    collect(sub)
+    collect(model.graph)
+    used.update(o.name for o in model.graph.output)
+    keep = [i for i in model.graph.initializer if i.name in used]
+    if len(keep) < len(model.graph.initializer):
+        del model.graph.initializer[:]
+        model.graph.initializer.extend(keep)
+        onnx.save(model, str(path))
+
+
+def val_results(run: Callable, dataset, label_to_category: dict[int, int], masks: bool) -> list[dict]:
+    """COCO results (original-image pixels, the dataset's category ids, every score) of a runner over every image
+    of a cached split, one image per call, by the evaluate stage's own mapping
+    (`detpipe.evaluation.detections.image_detections`: ``orig = cached / scale + offset``, float32 arithmetic as
+    `detpipe.evaluation.detections.detect_dataset`). ``run`` returns `DetectionExport` outputs; masks are not
+    scored (bbox AP)."""
+    from detpipe.evaluation.detections import image_detections
+    from detpipe.export.exporter import split_outputs
+
+    results = []
+    for i in range(len(dataset)):
+        image, t = dataset[i]
+        det, _ = split_outputs(run(image), masks)
+        results += image_detections(det, int(t["image_id"]), label_to_category, t["scale"], t["orig_size"],
+                                    t["offset"], 0.0, masks=False, dtype=torch.float32)
+    return results
+
+
+def accuracy_gate(eager: dict, quantized: dict, max_ap_drop: float) -> dict:
+    """The int8 verdict: ``ok`` when the quantized model's COCO AP and AP50 (0-1, COCOeval's ``stats``) are each at
+    most ``max_ap_drop`` below the eager model's on the same val images (a gain always passes).
+
+    Args:
+        eager, quantized: ``{"AP": float, "AP50": float}``.
+        max_ap_drop: largest allowed drop, absolute, on COCOeval's 0-1 scale (0.01 = one AP point).
+    Returns:
+        ``{"eager": eager, "int8": quantized, "drop": {"AP", "AP50"}, "max_ap_drop", "ok"}``.
+    """
+    drop = {k: eager[k] - quantized[k] for k in ("AP", "AP50")}
+    return {"eager": eager, "int8": quantized, "drop": drop, "max_ap_drop": max_ap_drop,
+            "ok": all(d <= max_ap_drop + 1e-12 for d in drop.values())}
+
+
+def coco_ap(results: list[dict], gt: dict, source: str) -> dict:
+    """``{"AP", "AP50"}`` of COCO results against the val ground truth (`detpipe.evaluation.coco_metrics.coco_evaluate`,
+    bbox, faster_coco_eval: the evaluate stage's scoring; 0-1)."""
+    from detpipe.evaluation.coco_metrics import coco_evaluate
+
+    stats = coco_evaluate(gt, results, "bbox", gt_source="val ground truth", dt_source=source).stats
+    return {"AP": stats["AP"], "AP50": stats["AP50"]}
+
+
+def calibration_images(cache_dir: Path, n: int) -> list[torch.Tensor]:
+    """``n`` training images of the augmentation cache (``cache_dir/train``), evenly spaced over the split (all of
+    them when it has fewer): ``float32 (3, H, W)`` in [0, 1], as the model is fed.
+
+    Raises:
+        StageError: the train split is missing (`detpipe.data.dataset.CachedDetectionDataset`).
+    """
+    from detpipe.data.dataset import CachedDetectionDataset
+
+    train = CachedDetectionDataset(cache_dir, "train")
+    picks = sorted({int(round(x)) for x in np.linspace(0, len(train) - 1, min(n, len(train)))}) if len(train) else []
+    return [train[i][0] for i in picks]
+
+
+def cpu_threads() -> int:
+    """Cores this process may use (the affinity mask), for reports."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
