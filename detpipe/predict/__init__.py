@@ -9,8 +9,10 @@ to 8-bit RGB), then prepared exactly as the augment stage prepared the training 
 of a ``jpeg`` cache), so the model sees what it was trained and evaluated on.
 
 The model is ``models/model.onnx`` (default; run with onnxruntime on the CPU, the file the export stage
-wrote and parity-checked) or ``models/model.pt`` (``--model models/model.pt``: the trained eager PyTorch
-model, batched). Boxes come back in the prepared image's pixels and are mapped to the original image's pixels
+wrote and parity-checked), any other file the export stage wrote with ``export.formats`` (chosen by the file:
+``models/int8/model.int8.onnx``, int8 QDQ, onnxruntime; ``models/openvino/model.xml``, OpenVINO IR, OpenVINO's CPU
+runtime at float32) or ``models/model.pt`` (``--model models/model.pt``: the trained eager PyTorch model,
+batched); `detpipe.predict.runners.load_runner`. Every format gives the same outputs. Boxes come back in the prepared image's pixels and are mapped to the original image's pixels
 with the cache's rule ``orig = prepared / scale`` and turned into COCO results by
 `detpipe.evaluation.detections.image_detections` (the evaluate stage's own mapping), labels to the dataset's COCO
 category ids and names with ``data/arrow/meta.json``; boxes are drawn by `detpipe.evaluation.drawing`.
@@ -31,8 +33,8 @@ image) is skipped, counted and named in the log and in ``report.json``; a missin
 or a source with no files is a one-line error (exit status 2).
 
 Batches: ``--batch-size`` images are decoded (in threads) and run together; the eager model takes them as one
-batch, the ONNX file (one ``(3, H, W)`` image per call: `detpipe.export.exporter.DetectionExport`'s signature)
-one after the other.
+batch, the ONNX, int8 and OpenVINO files (one ``(3, H, W)`` image per call:
+`detpipe.export.exporter.DetectionExport`'s signature) one after the other.
 
 The package: `predict` here (the run and its outputs; `load_predictor`, the model with its data facts, which
 `detpipe.serve` shares), `detpipe.predict.sources` (`list_sources`),
@@ -167,7 +169,8 @@ def predict(source: str, model_path: Path | str = DEFAULT_MODEL, out_dir: Path |
 
     Args:
         source: see `list_sources`.
-        model_path: ``models/model.onnx`` or ``models/model.pt`` (`load_runner`).
+        model_path: ``models/model.onnx``, ``models/int8/model.int8.onnx``, ``models/openvino/model.xml`` or
+            ``models/model.pt`` (`load_runner`).
         out_dir: output folder (created; the three outputs in it are replaced, nothing else is touched).
         score_threshold: detections with a lower score are not written nor drawn (scores are in [0, 1]).
         batch_size: images decoded and run together (>= 1).

@@ -11,12 +11,14 @@ def main(argv: list[str] | None = None) -> None:
     """``python -m detpipe.predict``: parse the command line (``--help``) and run `detpipe.predict.predict`."""
     parser = argparse.ArgumentParser(
         prog="python -m detpipe.predict",
-        description="Run the exported (ONNX, default) or trained (model.pt) detector on images; write COCO "
+        description="Run the exported (ONNX, default; int8 ONNX; OpenVINO .xml) or trained (model.pt) detector on "
+                    "images; write COCO "
                     "results JSON (original-image pixels, the dataset's category ids) and drawn images.")
     parser.add_argument("source", metavar="SOURCE",
                         help="image file, folder, glob (quoted), http(s):// URL of an image, or s3:// file/prefix/glob")
     parser.add_argument("--model", default=str(DEFAULT_MODEL),
-                        help=f"models/model.onnx (onnxruntime) or models/model.pt (eager PyTorch); default {DEFAULT_MODEL}")
+                        help="models/model.onnx or models/int8/model.int8.onnx (onnxruntime), models/openvino/model.xml "
+                             f"(OpenVINO) or models/model.pt (eager PyTorch), chosen by the file; default {DEFAULT_MODEL}")
     parser.add_argument("--out", default=str(DEFAULT_OUT),
                         help=f"output folder: predictions.json, report.json, images/ (default {DEFAULT_OUT})")
     parser.add_argument("--score-threshold", type=float, default=SCORE_THRESHOLD,

@@ -1,4 +1,5 @@
-"""Running predict's model file, ONNX (onnxruntime) or the train stage's ``model.pt`` (eager): `load_runner`."""
+"""Running predict's model file, chosen by its name: ONNX float or int8 (onnxruntime), OpenVINO IR (OpenVINO's CPU
+runtime) or the train stage's ``model.pt`` (eager): `load_runner`."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,21 +14,25 @@ Runner = Callable[[list[torch.Tensor]], list[dict]]
 
 def load_runner(model_path: Path | str) -> tuple[Runner, str, int | None]:
     """A function running the model file on a batch of prepared images, a description of the runtime, and the
-    number of classes (background included) the model was built for (None for ONNX: not recorded in the file).
+    number of classes (background included) the model was built for (None for ONNX and OpenVINO: not recorded in
+    the file).
 
     The runner takes ``float32 (3, h, w)`` images in [0, 1] and returns per image ``{"boxes": float32 (N, 4)
     XYXY prepared-image pixels, "scores": float32 (N,), "labels": int64 (N,)}``.
 
     Args:
-        model_path: ``*.onnx`` (onnxruntime, ``CPUExecutionProvider``, one image per call) or ``*.pt`` (the
-            train stage's checkpoint, `detpipe.models.load_model`, eager, the batch at once, CPU).
+        model_path: ``*.onnx`` (the export stage's ``models/model.onnx`` or its int8 ``models/int8/model.int8.onnx``:
+            onnxruntime, ``CPUExecutionProvider``, one image per call), ``*.xml`` (OpenVINO IR,
+            ``models/openvino/model.xml`` with its ``.bin`` beside it: OpenVINO's CPU plugin at float32 precision,
+            `detpipe.export.formats.openvino_runner`, one image per call) or ``*.pt`` (the train stage's checkpoint,
+            `detpipe.models.load_model`, eager, the batch at once, CPU). All take and give the same tensors.
     Raises:
         StageError: the file is missing, of an unknown kind, or not loadable.
     """
     path = Path(model_path)
     if not path.is_file():
         raise StageError(f"{path}: model not found (run the pipeline, `dvc repro`, or pass --model "
-                         "models/model.onnx or models/model.pt)")
+                         "models/model.onnx, models/int8/model.int8.onnx, models/openvino/model.xml or models/model.pt)")
     if path.suffix == ".onnx":
         import onnxruntime as ort
 
@@ -43,7 +48,29 @@ def load_runner(model_path: Path | str) -> tuple[Runner, str, int | None]:
             outs = [session.run(names, {"image": im.numpy()}) for im in images]
             return [{"boxes": torch.from_numpy(b), "scores": torch.from_numpy(s), "labels": torch.from_numpy(lab)}
                     for b, s, lab in outs]
-        return run_onnx, f"onnxruntime {ort.__version__} ({path})", None
+        kind = "int8 QDQ" if path.name.endswith(".int8.onnx") else "float32"
+        return run_onnx, f"onnxruntime {ort.__version__} {kind} ({path})", None
+    if path.suffix == ".xml":
+        import openvino as ov
+
+        from detpipe.export.formats import openvino_runner
+
+        if not path.with_suffix(".bin").is_file():
+            raise StageError(f"{path}: its weights {path.with_suffix('.bin').name} are missing (an OpenVINO IR is "
+                             "the .xml and the .bin beside it)")
+        try:
+            run_one = openvino_runner(path, ["boxes", "scores", "labels"])
+        except StageError:
+            raise StageError(f"{path}: outputs are not the export stage's (boxes, scores, labels)") from None
+        except Exception as e:  # noqa: BLE001 - OpenVINO raises its own error types for bad files
+            raise StageError(f"{path}: not a loadable OpenVINO IR ({type(e).__name__}: "
+                             f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})") from None
+
+        def run_openvino(images: list[torch.Tensor]) -> list[dict]:
+            outs = [run_one(im) for im in images]
+            return [{"boxes": torch.from_numpy(b), "scores": torch.from_numpy(s), "labels": torch.from_numpy(lab).long()}
+                    for b, s, lab in outs]
+        return run_openvino, f"openvino {ov.__version__} CPU float32 ({path})", None
     if path.suffix == ".pt":
         from detpipe.models import load_model
 
@@ -58,4 +85,4 @@ def load_runner(model_path: Path | str) -> tuple[Runner, str, int | None]:
         def run_eager(images: list[torch.Tensor]) -> list[dict]:
             return [{k: out[k] for k in ("boxes", "scores", "labels")} for out in model(images)]
         return run_eager, f"torch {torch.__version__} eager ({path})", int(ckpt["config"]["num_classes"])
-    raise StageError(f"{path}: unknown model file type (expected .onnx or .pt)")
+    raise StageError(f"{path}: unknown model file type (expected .onnx, .xml (OpenVINO IR) or .pt)")
