@@ -135,7 +135,9 @@ BUILT_FIRST_BY_TESTS = ("cached_workdir", "s3_server")
 # Modules run after the other tests of their level (tests/unit, tests/stages, tests/system: pyproject's testpaths),
 # because their session fixtures are the longest background builds (three 150-iteration trainings, about 6 min of
 # one core): in file order test_learns came 4 min into the run and waited for them with the other core idle.
-RUN_LATE = ("tests/stages/test_learns.py", "tests/stages/test_predict.py", "tests/stages/test_serve.py")
+# test_export_formats and test_serve use fitted_workdir too.
+RUN_LATE = ("tests/stages/test_learns.py", "tests/stages/test_predict.py", "tests/stages/test_export_formats.py",
+            "tests/stages/test_serve.py")
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -37,7 +37,12 @@ def load_runner(model_path: Path | str) -> tuple[Runner, str, int | None]:
         import onnxruntime as ort
 
         try:
-            session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+            if path.name.endswith(".int8.onnx"):
+                from detpipe.export.formats import int8_session
+
+                session = int8_session(path)
+            else:
+                session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
         except Exception as e:  # noqa: BLE001 - onnxruntime raises its own error types for bad files
             raise StageError(f"{path}: not a loadable ONNX model ({type(e).__name__}: {e})") from None
         names = [o.name for o in session.get_outputs()][:3]
