@@ -11,7 +11,6 @@ its docstring); the runtime (``openvino.Core``) sends none.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 from pathlib import Path
 from typing import Callable, Iterator
@@ -20,8 +19,6 @@ import numpy as np
 import torch
 
 from detpipe.errors import StageError
-
-log = logging.getLogger(__name__)
 
 OPENVINO_CONFIG = {"INFERENCE_PRECISION_HINT": "f32"}
 # The network's op types that int8 quantization covers (the QDQ pairs onnxruntime fuses into QLinearConv etc.);
@@ -249,7 +246,3 @@ def calibration_images(cache_dir: Path, n: int) -> list[torch.Tensor]:
     picks = sorted({int(round(x)) for x in np.linspace(0, len(train) - 1, min(n, len(train)))}) if len(train) else []
     return [train[i][0] for i in picks]
 
-
-def cpu_threads() -> int:
-    """Cores this process may use (the affinity mask), for reports."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
