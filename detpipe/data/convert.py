@@ -102,6 +102,7 @@ from detpipe.data.coco_schema import Report
 from detpipe.data.cocoarrow import (SCHEMA, ShardResult, convert_shard, plan_shards, write_leak_check)
 from detpipe.data.imageio import inspect_image
 from detpipe.data.label_stats import LabelStats, write_label_plots
+from detpipe.data import yolo_reader
 from detpipe.errors import StageError
 from detpipe.files import atomic_dir
 from detpipe.params import Convert
@@ -222,7 +223,8 @@ def convert(raw_root: Path | str, out_dir: Path | str, params: Convert, *, progr
     """Convert a COCO instances dataset to Arrow IPC shards (see the module docstring for layout and schema).
 
     Args:
-        raw_root: folder that ``params.annotations``/``images``/``val_annotations``/``val_images`` are relative to.
+        raw_root: folder that ``params.annotations``/``images``/``val_annotations``/``val_images`` are relative to
+            (``params.format`` yolo: the folder holding ``data.yaml``; see `detpipe.data.yolo_reader`).
         out_dir: output folder (replaced atomically: on any error it is left as it was).
         params: the ``convert`` params section.
         progress: show the progress in images (`detpipe.progress.Progress`: a bar on a terminal, a log line every
@@ -234,13 +236,58 @@ def convert(raw_root: Path | str, out_dir: Path | str, params: Convert, *, progr
         ``{"meta": <meta.json>, "report": <report.json>}``.
     Raises:
         StageError: an input of `detpipe.data.coco_schema.ERRORS` (malformed annotation file, a split emptied by the
-            rules, ...), a missing image folder, or (``params.strict``) any rule of `detpipe.data.coco_schema.RULES`.
+            rules, ...), a missing image folder, or (``params.strict``) any rule of `detpipe.data.coco_schema.RULES`;
+            YOLO: a malformed data.yaml or label line (naming the file and line, `detpipe.data.yolo_reader`);
+            ``format: auto`` finding both formats or neither.
     """
     raw_root, out_dir = Path(raw_root), Path(out_dir)
+    fmt = params.format
+    if fmt == "auto":
+        fmt = yolo_reader.detect_format(raw_root, params.annotations)
+        log.info("convert: format auto: found %s (%s)", fmt, yolo_reader.find_data_yaml(raw_root) if fmt == "yolo"
+                 else raw_root / params.annotations)
+    if fmt == "coco":
+        return _convert(raw_root, out_dir, params, progress, label_plots, None)
+    translated: dict = {}
+    try:
+        return _convert(raw_root, out_dir, params, progress, label_plots, translated)
+    except StageError as e:
+        raise StageError(yolo_reader.rename_error(str(e), translated, raw_root)) from None
+
+
+def _yolo_sources(raw_root: Path, params: Convert, report: Report, tmp: Path, translated: dict) \
+        -> tuple[dict, list, Path, Path | None, dict, yolo_reader.YoloData]:
+    """`_sources` of a YOLO dataset: data.yaml read, each split translated to a COCO file in ``tmp``
+    (`detpipe.data.yolo_reader.to_coco`, filling ``translated``), those read as the COCO path reads its files.
+    Also returns report.json's ``yolo`` section and the parsed data.yaml."""
+    data = yolo_reader.read_data_yaml(raw_root)
+    yrep: dict = {"data_yaml": str(data.path), "names": data.names}
+    if not data.train:
+        raise StageError(f"{data.path}: 'train' lists no images")
+    translated["train"] = yolo_reader.to_coco(data, data.train, raw_root, tmp / ".yolo-train.json", "train", yrep)
+    if data.val:
+        translated["val"] = yolo_reader.to_coco(data, data.val, raw_root, tmp / ".yolo-val.json", "val", yrep)
+    yolo_reader.labels_without_image(data, raw_root, yrep)
+    coco = params.model_copy(update={"annotations": str(translated["train"].json_path), "images": ".",
+                                     "val_annotations": str(translated["val"].json_path) if data.val else None,
+                                     "val_images": None})
+    sources, categories, _, _ = _sources(raw_root, coco, report, tmp)
+    return sources, categories, data.path, data.path if data.val else None, yrep, data
+
+
+def _convert(raw_root: Path, out_dir: Path, params: Convert, progress: bool, label_plots: Path | str | None,
+             translated: dict | None) -> dict:
+    """`convert` of one format: COCO (``translated`` None) or YOLO (``translated``: filled with the
+    `detpipe.data.yolo_reader.Translated` per split, for naming the label files in findings and errors)."""
     t0 = time.perf_counter()
     report = Report(params.strict)
+    yrep = data = None
     with process_pool(params.workers) as pool, gc_paused() as parsed, atomic_dir(out_dir) as tmp:
-        sources, categories, train_file, val_file = _sources(raw_root, params, report, tmp)  # after the fork
+        if translated is None:
+            sources, categories, train_file, val_file = _sources(raw_root, params, report, tmp)  # after the fork
+        else:
+            sources, categories, train_file, val_file, yrep, data = _yolo_sources(raw_root, params, report, tmp,
+                                                                                  translated)
         parsed()                        # the columns live until the end: frozen out of later collections
         cat_ids = sorted(c["id"] for c in categories)
         labels = {cid: k + 1 for k, cid in enumerate(cat_ids)}
@@ -287,6 +334,22 @@ def convert(raw_root: Path | str, out_dir: Path | str, params: Convert, *, progr
                        for s, v in splits.items()},
             "rules": report.to_json(),
         }
+        if data is not None:
+            rel = str(data.path.relative_to(raw_root))
+            meta.update({"format": "yolo", "annotations_file": rel, "val_annotations_file": rel if data.val else None,
+                         "val_fraction": None if data.val else params.val_fraction})
+            rep.update({"format": "yolo", "annotations_file": str(train_file),
+                        "val_annotations_file": None if val_file is None else str(val_file)})
+            yolo_reader.rename_findings(rep["rules"], translated, raw_root)
+            if "val" in translated:
+                only = sorted(set(translated["val"].class_counts) - set(translated["train"].class_counts))
+                yrep["val_classes_not_in_train"] = [{"id": c, "name": data.names[c],
+                                                     "val_annotations": translated["val"].class_counts[c]}
+                                                    for c in only]
+                if only:
+                    log.warning("convert: %d class(es) in val but not in train: %s", len(only),
+                                ", ".join(f"{c} {data.names[c]!r}" for c in only))
+            rep["yolo"] = yrep
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
         (tmp / "report.json").write_text(json.dumps(rep, indent=2) + "\n")
 

@@ -1,0 +1,287 @@
+"""Tests of the YOLO reader (detpipe/data/yolo_reader.py) and ``convert.format`` on real COCO128 images whose YOLO
+labels were written by an independent converter (globox 2.9.0: ``AnnotationSet.from_coco`` then ``save_yolo_v5``)
+and read back both by globox (``from_yolo_v5``, its own image-header parser) and by our convert stage."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+import yaml
+
+from detpipe.data.convert import SCHEMA, convert
+from detpipe.errors import StageError
+from detpipe.params import Convert
+
+REPO = Path(__file__).resolve().parents[2]
+COCO = REPO / "data" / "coco128"
+ANN = "annotations/instances_train2017.json"
+N_TRAIN, N_VAL = 10, 4
+
+
+def params(**kw) -> Convert:
+    base = dict(format="yolo", annotations=ANN, images="train2017", val_fraction=0.0, seed=0, shard_mb=64,
+                strict=False, workers=0)
+    base.update(kw)
+    return Convert(**base)
+
+
+def read_rows(out: Path, split: str) -> list[dict]:
+    meta = json.loads((out / "meta.json").read_text())
+    rows = []
+    for shard in meta["splits"][split]["shards"]:
+        with pa.memory_map(str(out / shard)) as src:
+            table = pa.ipc.open_file(src).read_all()
+        assert table.schema.equals(SCHEMA)
+        rows += table.to_pylist()
+    return rows
+
+
+def _subset(images: list[dict], src: dict) -> dict:
+    ids = {im["id"] for im in images}
+    return {"info": {}, "categories": src["categories"], "images": images,
+            "annotations": [a for a in src["annotations"] if a["image_id"] in ids]}
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> dict:
+    """COCO128's first 14 images (by id): a COCO copy (train 10 / val 4 as two files) and a YOLO copy written by
+    globox (``raw_yolo``: data.yaml, images/{train,val}, labels/{train,val})."""
+    from globox import AnnotationSet
+
+    root = tmp_path_factory.mktemp("yolo")
+    src = json.loads((COCO / ANN).read_text())
+    images = sorted(src["images"], key=lambda im: im["id"])[:N_TRAIN + N_VAL]
+    parts = {"train": _subset(images[:N_TRAIN], src), "val": _subset(images[N_TRAIN:], src)}
+    names = [c["name"] for c in sorted(src["categories"], key=lambda c: c["id"])]
+    coco_raw, yolo_raw = root / "raw_coco", root / "raw_yolo"
+    for split, data in parts.items():
+        (coco_raw / split).mkdir(parents=True)
+        (yolo_raw / "images" / split).mkdir(parents=True)
+        (yolo_raw / "labels").mkdir(exist_ok=True)
+        for im in data["images"]:
+            shutil.copyfile(COCO / "train2017" / im["file_name"], coco_raw / split / im["file_name"])
+            shutil.copyfile(COCO / "train2017" / im["file_name"], yolo_raw / "images" / split / im["file_name"])
+        (coco_raw / f"{split}.json").write_text(json.dumps(data))
+        gt = AnnotationSet.from_coco(coco_raw / f"{split}.json")
+        gt.save_yolo_v5(yolo_raw / "labels" / split, label_to_id={n: i for i, n in enumerate(names)})
+    (yolo_raw / "data.yaml").write_text(yaml.safe_dump({"path": ".", "train": "images/train", "val": "images/val",
+                                                        "names": names}))
+    return {"root": root, "coco_raw": coco_raw, "yolo_raw": yolo_raw, "names": names, "parts": parts}
+
+
+def yolo_copy(dataset: dict, dest: Path) -> Path:
+    shutil.copytree(dataset["yolo_raw"], dest)
+    return dest
+
+
+@pytest.fixture(scope="module")
+def converted(dataset) -> dict:
+    """Both copies converted: ``{"yolo": result, "coco": result, "yolo_out": path, "coco_out": path}``."""
+    root = dataset["root"]
+    res_y = convert(dataset["yolo_raw"], root / "arrow_yolo", params(), progress=False)
+    res_c = convert(dataset["coco_raw"], root / "arrow_coco",
+                    params(format="coco", annotations="train.json", images="train", val_annotations="val.json",
+                           val_images="val"), progress=False)
+    return {"yolo": res_y, "coco": res_c, "yolo_out": root / "arrow_yolo", "coco_out": root / "arrow_coco"}
+
+
+def test_boxes_equal_globox_and_coco_path(dataset, converted):
+    """Every box equals (1e-3 px) what globox wrote, read back by globox with its own image-header parser; and is
+    within 0.5 px of the COCO path's box for the same image and object; every class name equal."""
+    from globox import AnnotationSet
+
+    names = dataset["names"]
+    meta = json.loads((converted["yolo_out"] / "meta.json").read_text())
+    assert meta["format"] == "yolo"
+    assert meta["label_names"] == ["__background__"] + names
+    assert [c["id"] for c in meta["categories"]] == list(range(len(names)))
+    coco_meta = json.loads((converted["coco_out"] / "meta.json").read_text())
+    coco_names = dict(zip(map(int, coco_meta["category_id_to_label"]), coco_meta["label_names"][1:]))
+    worst_globox = worst_coco = 0.0
+    n_boxes = 0
+    for split in ("train", "val"):
+        rows = read_rows(converted["yolo_out"], split)
+        coco_rows = {r["file_name"]: r for r in read_rows(converted["coco_out"], split)}
+        assert len(rows) == len(dataset["parts"][split]["images"]) == len(coco_rows)
+        back = AnnotationSet.from_yolo_v5(dataset["yolo_raw"] / "labels" / split,
+                                          image_folder=dataset["yolo_raw"] / "images" / split)
+        for row in rows:
+            name = Path(row["file_name"]).name
+            assert row["file_name"] == f"images/{split}/{name}"
+            ann = back[name]
+            assert (row["width"], row["height"]) == ann.image_size
+            assert len(row["bbox"]) == len(ann.boxes) > 0
+            for (x, y, w, h), cid, box in zip(row["bbox"], row["category_id"], ann.boxes):
+                assert names[int(box.label)] == names[cid]
+                gx0, gy0, gx1, gy1 = box.ltrb
+                gx0, gy0 = max(gx0, 0.0), max(gy0, 0.0)           # the COCO rules clip to the image
+                gx1, gy1 = min(gx1, row["width"]), min(gy1, row["height"])
+                worst_globox = max(worst_globox, abs(x - gx0), abs(y - gy0), abs(x + w - gx1), abs(y + h - gy1))
+                n_boxes += 1
+            ref = coco_rows[name]
+            assert len(ref["bbox"]) == len(row["bbox"])
+            assert [coco_names[c] for c in ref["category_id"]] == [names[c] for c in row["category_id"]]
+            for a, b in zip(row["bbox"], ref["bbox"]):
+                worst_coco = max(worst_coco, max(abs(u - v) for u, v in zip(a, b)))
+    print(f"{n_boxes} boxes: max |ours - globox| = {worst_globox:.2e} px, max |ours - COCO path| = "
+          f"{worst_coco:.2e} px")
+    assert n_boxes > 50
+    assert worst_globox <= 1e-3
+    assert worst_coco <= 0.5
+
+
+def test_report_same_rules_and_yolo_section(dataset, converted):
+    rep = converted["yolo"]["report"]
+    assert rep["format"] == "yolo"
+    assert list(rep["rules"]) == list(converted["coco"]["report"]["rules"])
+    assert rep["yolo"]["images_without_labels"]["count"] == 0
+    assert rep["yolo"]["labels_without_image"]["count"] == 0
+    counts = {s: v["annotations_out"] for s, v in rep["splits"].items()}
+    names = {c["id"]: c["name"] for c in dataset["parts"]["train"]["categories"]}
+    cats = {s: {names[a["category_id"]] for a in dataset["parts"][s]["annotations"]} for s in ("train", "val")}
+    assert sorted(c["name"] for c in rep["yolo"]["val_classes_not_in_train"]) == sorted(cats["val"] - cats["train"])
+    assert cats["val"] - cats["train"]
+    assert counts == {s: v["annotations_out"] for s, v in converted["coco"]["report"]["splits"].items()}
+
+
+def _first_label(raw: Path, split: str = "train") -> Path:
+    return sorted((raw / "labels" / split).glob("*.txt"))[0]
+
+
+def test_label_line_with_4_numbers(dataset, tmp_path):
+    raw = yolo_copy(dataset, tmp_path / "raw")
+    lab = _first_label(raw)
+    lines = lab.read_text().splitlines()
+    lines.insert(1, "0 0.5 0.5 0.25")
+    lab.write_text("\n".join(lines) + "\n")
+    with pytest.raises(StageError, match=rf"{lab.name}:2: 4 values; .*rule 'yolo_label_line'"):
+        convert(raw, tmp_path / "arrow", params(), progress=False)
+    assert not (tmp_path / "arrow").exists()
+
+
+@pytest.mark.parametrize("value, pattern", [("80", r"class id 80 is outside data.yaml's names \(0..79\)"),
+                                            ("-1", r"class id -1 is outside"),
+                                            ("1.5", r"class id '1.5' is not an integer"),
+                                            ("cat", r"class id 'cat' is not an integer")])
+def test_class_id_past_names(dataset, tmp_path, value, pattern):
+    raw = yolo_copy(dataset, tmp_path / "raw")
+    lab = _first_label(raw, "val")
+    lab.write_text(lab.read_text().rstrip("\n") + f"\n{value} 0.5 0.5 0.1 0.1\n")
+    n = len(lab.read_text().splitlines())
+    with pytest.raises(StageError, match=rf"{lab.name}:{n}: {pattern}"):
+        convert(raw, tmp_path / "arrow", params(), progress=False)
+
+
+def test_non_number(dataset, tmp_path):
+    raw = yolo_copy(dataset, tmp_path / "raw")
+    lab = _first_label(raw)
+    lab.write_text("0 0.5 nan 0.1 0.1\n")
+    with pytest.raises(StageError, match=rf"{lab.name}:1: value 3 \('nan'\) is not a finite number"):
+        convert(raw, tmp_path / "arrow", params(), progress=False)
+
+
+def test_box_outside_image_counted(dataset, tmp_path):
+    """A box wholly outside is dropped (``bbox_outside``), one partly outside clipped (``bbox_clipped``), as the
+    COCO path does; the examples name the label file and line."""
+    raw = yolo_copy(dataset, tmp_path / "raw")
+    lab = _first_label(raw)
+    n = len(lab.read_text().splitlines())
+    lab.write_text(lab.read_text().rstrip("\n") + "\n0 1.5 1.5 0.2 0.2\n0 0.95 0.5 0.2 0.2\n")
+    res = convert(raw, tmp_path / "arrow", params(), progress=False)
+    rules = res["report"]["rules"]
+    assert rules["bbox_outside"]["count"] == 1
+    assert rules["bbox_clipped"]["count"] == 1
+    ex = rules["bbox_outside"]["examples"][0]
+    assert ex["file"] == str(lab) and ex["record"] == f"line {n + 1} (image id 1)"
+    assert rules["bbox_clipped"]["examples"][0]["record"] == f"line {n + 2} (image id 1)"
+    row = read_rows(tmp_path / "arrow", "train")[0]
+    x, y, w, h = row["bbox"][-1]
+    assert abs(x + w - row["width"]) < 1e-3                     # clipped at the right edge
+    assert len(row["bbox"]) == n + 1
+    with pytest.raises(StageError, match=rf"{lab.name}:{n + 1} \(image id 1\): rule 'bbox_outside'"):
+        convert(raw, tmp_path / "arrow2", params(strict=True), progress=False)
+
+
+def test_label_without_image_and_image_without_label(dataset, tmp_path):
+    raw = yolo_copy(dataset, tmp_path / "raw")
+    orphan = raw / "labels" / "train" / "no_such_image.txt"
+    orphan.write_text("0 0.5 0.5 0.1 0.1\n")
+    negative = _first_label(raw, "val")
+    negative.unlink()
+    res = convert(raw, tmp_path / "arrow", params(), progress=False)
+    y = res["report"]["yolo"]
+    assert y["labels_without_image"]["count"] == 1
+    assert y["labels_without_image"]["examples"][0]["file"] == str(orphan)
+    assert y["images_without_labels"]["count"] == 1
+    assert res["report"]["rules"]["image_no_annotations"]["count"] == 1
+    val = read_rows(tmp_path / "arrow", "val")
+    assert len(val) == N_VAL and sum(1 for r in val if not r["bbox"]) == 1
+
+
+def test_polygon_line(dataset, tmp_path):
+    """A segment line: box = the polygon's bounds, polygon kept as COCO segmentation in pixels."""
+    raw = yolo_copy(dataset, tmp_path / "raw")
+    lab = _first_label(raw)
+    lab.write_text("3 0.1 0.2 0.5 0.2 0.4 0.6\n")
+    res = convert(raw, tmp_path / "arrow", params(), progress=False)
+    row = read_rows(tmp_path / "arrow", "train")[0]
+    W, H = row["width"], row["height"]
+    assert row["category_id"] == [3]
+    x, y, w, h = row["bbox"][0]
+    assert abs(x - 0.1 * W) < 1e-3 and abs(y - 0.2 * H) < 1e-3
+    assert abs(w - 0.4 * W) < 1e-3 and abs(h - 0.4 * H) < 1e-3
+    seg = json.loads(row["segmentation"][0])
+    assert len(seg) == 1 and all(abs(a - b) < 1e-6 for a, b in
+                                 zip(seg[0], [0.1 * W, 0.2 * H, 0.5 * W, 0.2 * H, 0.4 * W, 0.6 * H]))
+    assert abs(row["area"][0] - 0.5 * (0.4 * W) * (0.4 * H)) < 1e-3
+    assert res["report"]["rules"]["segmentation_invalid"]["count"] == 0
+
+
+def test_val_class_not_in_train_reported(dataset, tmp_path, caplog):
+    raw = yolo_copy(dataset, tmp_path / "raw")
+    used = {int(line.split()[0]) for p in (raw / "labels").glob("*/*.txt")
+            for line in p.read_text().splitlines() if line.strip()}
+    unused = min(set(range(80)) - used)
+    lab = _first_label(raw, "val")
+    lab.write_text(lab.read_text().rstrip("\n") + f"\n{unused} 0.5 0.5 0.1 0.1\n")
+    with caplog.at_level("WARNING"):
+        res = convert(raw, tmp_path / "arrow", params(), progress=False)
+    only = res["report"]["yolo"]["val_classes_not_in_train"]
+    assert {"id": unused, "name": dataset["names"][unused], "val_annotations": 1} in only
+    assert any("in val but not in train" in r.message for r in caplog.records)
+
+
+def test_names_as_mapping_and_no_val(dataset, tmp_path):
+    """``names`` as {index: name}; without ``val`` the train images are split by val_fraction."""
+    raw = yolo_copy(dataset, tmp_path / "raw")
+    names = dataset["names"]
+    (raw / "data.yaml").write_text(yaml.safe_dump({"train": ["images/train", "images/val"],
+                                                   "names": dict(enumerate(names))}))
+    res = convert(raw, tmp_path / "arrow", params(val_fraction=0.25), progress=False)
+    assert res["meta"]["label_names"][1:] == names
+    assert res["meta"]["splits"]["val"]["images"] == round((N_TRAIN + N_VAL) * 0.25)
+    assert res["meta"]["splits"]["train"]["images"] + res["meta"]["splits"]["val"]["images"] == N_TRAIN + N_VAL
+
+
+def test_format_auto(dataset, tmp_path, caplog):
+    with caplog.at_level("INFO"):
+        res = convert(dataset["yolo_raw"], tmp_path / "a", params(format="auto"), progress=False)
+    assert res["meta"]["format"] == "yolo"
+    assert any("format auto: found yolo" in r.message for r in caplog.records)
+    caplog.clear()
+    coco_kw = dict(format="auto", annotations="train.json", images="train", val_annotations="val.json",
+                   val_images="val")
+    with caplog.at_level("INFO"):
+        res = convert(dataset["coco_raw"], tmp_path / "b", params(**coco_kw), progress=False)
+    assert "format" not in res["meta"]
+    assert any("format auto: found coco" in r.message for r in caplog.records)
+    both = yolo_copy(dataset, tmp_path / "both")
+    shutil.copyfile(dataset["coco_raw"] / "train.json", both / "train.json")
+    with pytest.raises(StageError, match="ambiguous"):
+        convert(both, tmp_path / "c", params(**coco_kw), progress=False)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(StageError, match="found no dataset"):
+        convert(tmp_path / "empty", tmp_path / "d", params(**coco_kw), progress=False)
