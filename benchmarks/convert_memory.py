@@ -15,8 +15,14 @@ worktree of an older commit).
 
     python -m benchmarks.convert_memory [--sizes 2000 32000 128000] [--many-mb 500] [--many-per-image 400]
 
-Last line: ``ratio: X``, peak RSS at the largest of ``--ratio-sizes`` (default 32000) / at the smallest (2000)
-(goal <= 1.5).
+With ``--yolo`` (default; ``--no-yolo`` to skip) each size is converted again from a YOLO copy of the same
+dataset (``convert.format: yolo``, `detpipe.data.yolo_reader`): ``<cache>/yolo_n<N>/`` holds a ``data.yaml`` whose
+``train`` is a ``.txt`` list of the N images, ``images`` a link to the same image folder and ``labels`` a link to
+``<cache>/yolo_labels/`` (each COCO128 record's boxes normalized by its size; records without annotations get no
+label file); no ``val`` (split by val_fraction, as the COCO rows).
+
+Last lines: ``ratio (yolo): Y`` and ``ratio: X``, peak RSS at the largest of ``--ratio-sizes`` (default 32000) /
+at the smallest (2000) (goal <= 1.5).
 """
 from __future__ import annotations
 
@@ -84,6 +90,40 @@ def build_json(path: Path, n: int, per_image: int | None = None) -> None:
     tmp.rename(path)
 
 
+def build_yolo(cache: Path, raw: Path, n: int, n_labels: int) -> Path:
+    """The YOLO copy of the first ``n`` images of ``raw/train2017`` (see the module docstring); returns its root."""
+    labels = cache / "yolo_labels"
+    done = labels / ".complete"
+    if not (done.is_file() and int(done.read_text()) >= n_labels):
+        labels.mkdir(parents=True, exist_ok=True)
+        src = json.loads((COCO128 / ANN).read_text())
+        records = sorted(src["images"], key=lambda im: im["id"])
+        cat_index = {c["id"]: k for k, c in enumerate(sorted(src["categories"], key=lambda c: c["id"]))}
+        text = {}
+        for a in src["annotations"]:
+            im = next(r for r in records if r["id"] == a["image_id"])
+            x, y, w, h = a["bbox"]
+            W, H = im["width"], im["height"]
+            text.setdefault(a["image_id"], []).append(
+                f"{cat_index[a['category_id']]} {(x + w / 2) / W:.6f} {(y + h / 2) / H:.6f} {w / W:.6f} {h / H:.6f}")
+        for k in range(n_labels):
+            lines = text.get(records[k % len(records)]["id"])
+            if lines:
+                (labels / f"{k:07d}.txt").write_text("\n".join(lines) + "\n")
+        done.write_text(str(n_labels))
+    root = cache / f"yolo_n{n}"
+    if not (root / "data.yaml").is_file():
+        root.mkdir(parents=True, exist_ok=True)
+        for name, target in (("images", raw / "train2017"), ("labels", labels)):
+            if not (root / name).is_symlink():
+                (root / name).symlink_to(target.resolve())
+        (root / "train.txt").write_text("".join(f"./images/{k:07d}.jpg\n" for k in range(n)))
+        src = json.loads((COCO128 / ANN).read_text())
+        names = [c["name"] for c in sorted(src["categories"], key=lambda c: c["id"])]
+        (root / "data.yaml").write_text(json.dumps({"train": "train.txt", "names": names}))   # JSON is YAML
+    return root
+
+
 def measure(repo: Path, raw: Path, annotations: str, params: Convert, out: Path) -> tuple[float, float]:
     """(wall seconds, peak RSS MiB of the largest process) of one convert of ``raw`` by ``repo``'s code."""
     p = params.model_copy(update={"annotations": annotations})
@@ -103,6 +143,8 @@ def main() -> None:
     ap.add_argument("--many-per-image", type=int, default=400, help="its annotations per image")
     ap.add_argument("--cache", default="/tmp/detpipe-bench-convert-memory", help="dataset cache folder")
     ap.add_argument("--repo", default=str(REPO), help="checkout whose convert is measured")
+    ap.add_argument("--yolo", action=argparse.BooleanOptionalAction, default=True,
+                    help="also convert a YOLO copy of each size (convert.format: yolo)")
     args = ap.parse_args()
     sizes = sorted(set(args.sizes) | set(args.ratio_sizes))
     base = load("convert", REPO / "params.yaml")
@@ -134,6 +176,17 @@ def main() -> None:
               f"{seconds:7.1f} s ({n / seconds:6.0f} images/s), peak RSS {peak:7.1f} MiB; load {os.getloadavg()[0]:.2f}",
               flush=True)
     small, large = sorted(args.ratio_sizes)
+    if args.yolo:
+        yolo_rss = {}
+        for n in sizes:
+            root = build_yolo(Path(args.cache), raw, n, max(sizes))
+            seconds, peak = measure(Path(args.repo), root, ANN, params.model_copy(update={"format": "yolo"}),
+                                    Path(args.cache) / "out")
+            yolo_rss[n] = peak
+            print(f"N={n:7d} images (COCO128's annotations), YOLO labels: convert {seconds:7.1f} s "
+                  f"({n / seconds:6.0f} images/s), peak RSS {peak:7.1f} MiB ({peak / rss[n]:.2f} x COCO's); "
+                  f"load {os.getloadavg()[0]:.2f}", flush=True)
+        print(f"ratio (yolo): {yolo_rss[large] / yolo_rss[small]:.3f}")
     print(f"ratio: {rss[large] / rss[small]:.3f}")
 
 

@@ -119,7 +119,7 @@ def _names(data: dict, path: Path) -> list[str]:
     return names
 
 
-def _images(entry, base: Path, yaml_dir: Path, raw_root: Path, path: Path, key: str) -> list[str]:
+def _images(entry, base: Path, raw_root: Path, path: Path, key: str) -> list[str]:
     """Image paths (relative to ``raw_root``, sorted) of one ``train``/``val`` entry of data.yaml."""
     out: list[str] = []
     for item in entry if isinstance(entry, list) else [entry]:
@@ -136,15 +136,13 @@ def _images(entry, base: Path, yaml_dir: Path, raw_root: Path, path: Path, key: 
             for line in p.read_text().splitlines():
                 line = line.strip()
                 if line:
-                    q = Path(line) if os.path.isabs(line) else (p.parent / line if not line.startswith("./")
-                                                                else base / line)
-                    out.append(str(q))
+                    out.append(line if os.path.isabs(line) else str(p.parent / line))
         else:
             raise StageError(f"{path}: '{key}' entry {item!r}: no such folder or .txt list ({p})")
-    root = os.path.realpath(raw_root)
+    root = os.path.abspath(raw_root)
     rel = []
     for f in out:
-        r = os.path.relpath(os.path.realpath(f) if os.path.islink(os.path.dirname(f)) else os.path.abspath(f), root)
+        r = os.path.relpath(os.path.abspath(f), root)
         if r.startswith(".."):
             raise StageError(f"{path}: '{key}' lists {f}, outside {raw_root} (images must be inside data/raw)")
         rel.append(r.replace(os.sep, "/"))
@@ -168,15 +166,15 @@ def read_data_yaml(raw_root: Path) -> YoloData:
     if not isinstance(data, dict):
         raise StageError(f"{path}: must be a mapping with 'names', 'train' and optionally 'val'")
     names = _names(data, path)
-    base = path.parent
+    base = path.parent      # a .txt list's relative lines are relative to the list's folder (Ultralytics: './x')
     if isinstance(data.get("path"), str):
         cand = base / data["path"]
         if cand.is_dir():
             base = cand
     if "train" not in data:
         raise StageError(f"{path}: missing key 'train'")
-    train = _images(data["train"], base, path.parent, raw_root, path, "train")
-    val = _images(data["val"], base, path.parent, raw_root, path, "val") if data.get("val") else None
+    train = _images(data["train"], base, raw_root, path, "train")
+    val = _images(data["val"], base, raw_root, path, "val") if data.get("val") else None
     return YoloData(path, names, train, val)
 
 

@@ -285,3 +285,47 @@ def test_format_auto(dataset, tmp_path, caplog):
     (tmp_path / "empty").mkdir()
     with pytest.raises(StageError, match="found no dataset"):
         convert(tmp_path / "empty", tmp_path / "d", params(**coco_kw), progress=False)
+
+
+_EXIF_INVERSE = {2: "FLIP_LEFT_RIGHT", 3: "ROTATE_180", 4: "FLIP_TOP_BOTTOM", 5: "TRANSPOSE", 6: "ROTATE_90",
+                 7: "TRANSVERSE", 8: "ROTATE_270"}     # stored raster = displayed.transpose(this) for orientation k
+
+
+@pytest.mark.parametrize("orientation", range(2, 9))
+def test_exif_orientation_labels_in_displayed_frame(dataset, converted, tmp_path, orientation):
+    """YOLO labels are normalized to the displayed image: a file stored rotated/flipped with the EXIF orientation
+    that shows it as the original gives the original's boxes (and displayed size)."""
+    from PIL import Image
+
+    raw = yolo_copy(dataset, tmp_path / "raw")
+    path = sorted((raw / "images" / "train").glob("*.jpg"))[0]
+    with Image.open(path) as im:
+        shown = im.convert("RGB")
+    stored = shown.transpose(getattr(Image.Transpose, _EXIF_INVERSE[orientation]))
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    stored.save(path, "JPEG", quality=95, exif=exif)
+    convert(raw, tmp_path / "arrow", params(), progress=False)
+    row = read_rows(tmp_path / "arrow", "train")[0]
+    ref = read_rows(converted["yolo_out"], "train")[0]
+    assert row["file_name"] == ref["file_name"] and (row["width"], row["height"]) == (ref["width"], ref["height"])
+    assert row["category_id"] == ref["category_id"]
+    worst = max(abs(a - b) for box, rbox in zip(row["bbox"], ref["bbox"]) for a, b in zip(box, rbox))
+    assert worst <= 1e-3
+
+
+def test_train_as_txt_list(dataset, tmp_path):
+    """``train`` as a .txt list of image paths (relative to the list's folder), ``val`` a folder."""
+    raw = yolo_copy(dataset, tmp_path / "raw")
+    (raw / "lists").mkdir()
+    files = sorted((raw / "images" / "train").glob("*.jpg"))[:5]
+    (raw / "lists" / "train.txt").write_text("".join(f"../images/train/{f.name}\n" for f in files))
+    (raw / "data.yaml").write_text(yaml.safe_dump({"train": "lists/train.txt", "val": "images/val",
+                                                   "names": dataset["names"]}))
+    res = convert(raw, tmp_path / "arrow", params(), progress=False)
+    assert res["meta"]["splits"]["train"]["images"] == 5
+    assert [r["file_name"] for r in read_rows(tmp_path / "arrow", "train")] == \
+        [f"images/train/{f.name}" for f in files]
+    (raw / "lists" / "train.txt").write_text("/etc/hostname\n")
+    with pytest.raises(StageError, match="outside"):
+        convert(raw, tmp_path / "arrow2", params(), progress=False)
