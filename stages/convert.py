@@ -1,4 +1,5 @@
-"""Convert stage: COCO instances JSON + image files -> Apache Arrow IPC shards, with a validation report.
+"""Convert stage: COCO instances JSON (or a YOLO dataset, ``convert.format``) + image files -> Apache Arrow IPC
+shards, with a validation report.
 
 ``python -m stages.convert`` reads ``data/raw`` and writes ``data/arrow`` (params section ``convert``), and the train
 split's label statistics as DVC plots under ``plots/labels/`` (`detpipe.data.label_stats`). The work,

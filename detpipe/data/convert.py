@@ -2,6 +2,11 @@
 stage's work (`convert`, explicit paths, no dependence on the working directory; ``python -m stages.convert``
 calls it with params section ``convert``, reading ``data/raw`` and writing ``data/arrow``).
 
+Formats (``convert.format``): ``coco`` (below), ``yolo`` (`detpipe.data.yolo_reader`: data.yaml + label files,
+translated into COCO files in the output's scratch folder, which the COCO path below then reads: same rules,
+report and rows; ``meta.json``/``report.json`` gain ``"format": "yolo"`` and report.json a ``yolo`` section),
+``auto`` (`detpipe.data.yolo_reader.detect_format`, logged). A further format is a further translator.
+
 Output (written into a temporary folder beside ``data/arrow`` and renamed at the end, so a failed or
 interrupted run leaves the previous output untouched and no half-written shard)::
 
@@ -261,6 +266,7 @@ def _yolo_sources(raw_root: Path, params: Convert, report: Report, tmp: Path, tr
     (`detpipe.data.yolo_reader.to_coco`, filling ``translated``), those read as the COCO path reads its files.
     Also returns report.json's ``yolo`` section and the parsed data.yaml."""
     data = yolo_reader.read_data_yaml(raw_root)
+    tmp = tmp.absolute()                # the COCO files' paths are taken relative to raw_root below
     yrep: dict = {"data_yaml": str(data.path), "names": data.names}
     if not data.train:
         raise StageError(f"{data.path}: 'train' lists no images")
@@ -268,6 +274,10 @@ def _yolo_sources(raw_root: Path, params: Convert, report: Report, tmp: Path, tr
     if data.val:
         translated["val"] = yolo_reader.to_coco(data, data.val, raw_root, tmp / ".yolo-val.json", "val", yrep)
     yolo_reader.labels_without_image(data, raw_root, yrep)
+    if params.strict and yrep["labels_without_image"]["count"]:
+        ex = yrep["labels_without_image"]["examples"][0]
+        raise StageError(f"{ex['file']}: label file of no listed image (rule 'labels_without_image'; skipped unless "
+                         f"strict) (convert.strict is true)")
     coco = params.model_copy(update={"annotations": str(translated["train"].json_path), "images": ".",
                                      "val_annotations": str(translated["val"].json_path) if data.val else None,
                                      "val_images": None})

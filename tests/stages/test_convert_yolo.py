@@ -219,6 +219,8 @@ def test_label_without_image_and_image_without_label(dataset, tmp_path):
     assert res["report"]["rules"]["image_no_annotations"]["count"] == 1
     val = read_rows(tmp_path / "arrow", "val")
     assert len(val) == N_VAL and sum(1 for r in val if not r["bbox"]) == 1
+    with pytest.raises(StageError, match=rf"{orphan}: label file of no listed image"):
+        convert(raw, tmp_path / "arrow2", params(strict=True), progress=False)
 
 
 def test_polygon_line(dataset, tmp_path):
@@ -329,3 +331,28 @@ def test_train_as_txt_list(dataset, tmp_path):
     (raw / "lists" / "train.txt").write_text("/etc/hostname\n")
     with pytest.raises(StageError, match="outside"):
         convert(raw, tmp_path / "arrow2", params(), progress=False)
+
+
+def test_cli_yolo_and_auto(dataset, tmp_path):
+    """``python -m stages.convert`` with params.yaml's ``convert.format: auto`` on a YOLO data/raw: finds yolo
+    (one log line) and writes the same rows as convert(); a bad label line -> exit 2 and one line naming it."""
+    import os
+    import subprocess
+    import sys
+
+    raw = yolo_copy(dataset, tmp_path / "data" / "raw")
+    conf = yaml.safe_load((REPO / "params.yaml").read_text())
+    conf["convert"].update({"format": "auto", "workers": 1})
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(conf))
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    cmd = [sys.executable, "-m", "stages.convert"]
+    ok = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert "convert: format auto: found yolo" in ok.stderr
+    meta = json.loads((tmp_path / "data" / "arrow" / "meta.json").read_text())
+    assert meta["format"] == "yolo" and meta["splits"]["val"]["images"] == N_VAL
+    lab = _first_label(raw)
+    lab.write_text("0 0.5 0.5 0.1\n")
+    bad = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2
+    assert f"{lab.name}:1: 4 values" in bad.stderr and "Traceback" not in bad.stderr
