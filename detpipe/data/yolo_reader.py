@@ -249,6 +249,7 @@ class Translated:
     file (index into ``images``, the image paths by image id - 1) and line, for naming findings."""
     json_path: Path
     images: list[str]
+    source: str = ""            # how messages name the split: "<data.yaml> ('val' images)"
     ann_image: array.array = dataclasses.field(default_factory=lambda: array.array("q"))
     ann_line: array.array = dataclasses.field(default_factory=lambda: array.array("i"))
     class_counts: dict[int, int] = dataclasses.field(default_factory=dict)
@@ -271,7 +272,7 @@ def to_coco(data: YoloData, images: list[str], raw_root: Path, out: Path, split:
     """
     from detpipe.data.geometry import orient_box, orient_segmentation
 
-    t = Translated(out, images)
+    t = Translated(out, images, f"{data.path} ('{split}' images)")
     counts = t.class_counts
     neg = report.setdefault("images_without_labels", {"count": 0, "examples": []})
     ims_path, anns_path = out.with_suffix(".images"), out.with_suffix(".anns")
@@ -398,5 +399,5 @@ def rename_error(msg: str, translated: dict[str, Translated], raw_root: Path) ->
                 if where:
                     file, line = where.rsplit(":", 1)
                     return f"{raw_root / file}:{line} (image id {m.group(2)})" + msg[len(prefix) + m.end():]
-            return msg.replace(str(t.json_path), str(t.json_path.name))
+            return msg.replace(str(t.json_path), t.source)
     return msg

@@ -356,3 +356,14 @@ def test_cli_yolo_and_auto(dataset, tmp_path):
     bad = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2
     assert f"{lab.name}:1: 4 values" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_val_same_as_train_is_a_named_error(dataset, tmp_path):
+    """Ultralytics' own coco128.yaml lists the same folder as train and val: every val image is a byte copy of a
+    train image (rule val_image_in_train), the val split is emptied: an error naming data.yaml's val list."""
+    raw = yolo_copy(dataset, tmp_path / "raw")
+    (raw / "data.yaml").write_text(yaml.safe_dump({"train": "images/train", "val": "images/train",
+                                                   "names": dataset["names"]}))
+    with pytest.raises(StageError, match=r"data.yaml \('val' images\): no usable images in the val split .*"
+                                         r"val_image_in_train=10"):
+        convert(raw, tmp_path / "arrow", params(), progress=False)
