@@ -11,6 +11,8 @@ them.
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
 import shutil
 from pathlib import Path
 
@@ -34,6 +36,15 @@ FILES = {"eager": "models/model.pt", "onnx": "models/model.onnx", "openvino": "m
          "int8": "models/int8/model.int8.onnx"}
 
 
+def _in_child(body, *args):
+    """Run ``body(*args)`` (a function of this module) in a fresh spawned Python process and return its result; an
+    assertion that fails there fails here with its message. OpenVINO (its TBB threads) and onnxruntime's quantizer
+    then never load into the pytest process, which runs hundreds of other tests: a full CI run whose pytest process
+    had run them in-process died later of SIGSEGV, in an unrelated test, with no Python traceback."""
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(body, args)
+
+
 @pytest.fixture(scope="module")
 def formats_workdir(fitted_workdir, tmp_path_factory) -> Path:
     """A copy of `fitted_workdir`; the blank-calibration export is tried first (it must fail and write nothing),
@@ -44,16 +55,19 @@ def formats_workdir(fitted_workdir, tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
-def test_int8_gate_refuses_blank_calibration_then_passes_sound(formats_workdir, monkeypatch):
+def test_int8_gate_refuses_blank_calibration_then_passes_sound(formats_workdir):
     """The accuracy gate: int8 calibrated on 4 black images (every activation range that of a black image: real
     images saturate) loses the fitted model's AP; the stage fails with one line giving int8's and eager's AP and
     AP50, and writes nothing, not even the float files that passed. Calibrated on the training images (the
     default), the same gate passes: AP and AP50 within export.max_ap_drop; the report and the model card list
     each format with its gate result."""
+    _in_child(_gate_body, formats_workdir)
+
+
+def _gate_body(work: Path) -> None:
     from detpipe.export.stage import export
 
-    work = formats_workdir
-    monkeypatch.chdir(work)
+    os.chdir(work)
     cfg = Export(num_images=2, torch_export=False, formats=["openvino", "int8"])
     shape = CachedDetectionDataset(work / "data/cache", "train")[0][0].shape
     with pytest.raises(StageError) as failed:
@@ -94,9 +108,12 @@ def test_openvino_agrees_with_onnx_on_real_images(formats_workdir):
     """The OpenVINO IR and the ONNX file of the same model, on COCO128 images prepared as predict prepares them
     (sizes other than the export example's): raw head outputs equal within the float parity tolerance
     (export.rtol), final detections matched (same label, IoU >= 0.99)."""
-    work = formats_workdir
-    if not (work / FILES["openvino"]).is_file():
+    if not (formats_workdir / FILES["openvino"]).is_file():
         pytest.skip("needs test_int8_gate_refuses_blank_calibration_then_passes_sound's export")
+    _in_child(_openvino_body, formats_workdir)
+
+
+def _openvino_body(work: Path) -> None:
     names = json.loads((work / "models/export_report.json").read_text())["raw_outputs"]
     all_names = [o.name for o in ort.InferenceSession(str(work / FILES["onnx"])).get_outputs()]
     session = ort.InferenceSession(str(work / FILES["onnx"]), providers=["CPUExecutionProvider"])
@@ -119,9 +136,12 @@ def test_predict_with_each_format(formats_workdir, tmp_path):
     boxes inside the original images (pixels, not the 320x320 model frame) with the dataset's COCO category ids;
     ONNX and OpenVINO give the eager model's detections (same ids, boxes within 0.5 px); int8 finds the eager
     model's confident detections (score >= 0.5: same category, IoU >= 0.8)."""
-    work = formats_workdir
-    if not (work / FILES["int8"]).is_file():
+    if not (formats_workdir / FILES["int8"]).is_file():
         pytest.skip("needs test_int8_gate_refuses_blank_calibration_then_passes_sound's export")
+    _in_child(_predict_body, formats_workdir, tmp_path)
+
+
+def _predict_body(work: Path, tmp_path: Path) -> None:
     src = tmp_path / "src"
     src.mkdir()
     for f in (work / "data/raw/images").iterdir():
@@ -180,6 +200,10 @@ def test_predict_with_each_format(formats_workdir, tmp_path):
 
 def test_openvino_ir_without_its_weights_is_one_line(tmp_path):
     """An ``.xml`` whose ``.bin`` is missing: predict's runner refuses it in one line naming the file."""
+    _in_child(_missing_weights_body, tmp_path)
+
+
+def _missing_weights_body(tmp_path: Path) -> None:
     from detpipe.predict.runners import load_runner
 
     xml = tmp_path / "model.xml"
