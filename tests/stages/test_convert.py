@@ -23,9 +23,10 @@ from detpipe.errors import StageError
 from detpipe.data import coco_reader
 from detpipe.data.coco_reader import load_json, read_coco
 from detpipe.data.coco_schema import RULES, check_coco
-from detpipe.data.convert import SCHEMA, convert, inspect_image, split_ids
+from detpipe.data.convert import convert, inspect_image, split_ids
 from detpipe.data.imageio import decode_rgb
 from detpipe.params import Convert
+from support.pipeline import read_rows
 
 REPO = Path(__file__).resolve().parents[2]
 COCO = REPO / "data" / "coco128"
@@ -76,17 +77,6 @@ def params(**kw) -> Convert:
 
 def run(raw: Path, **kw) -> dict:
     return convert(raw, raw.parent / "arrow", params(**kw), progress=False)
-
-
-def read_rows(out: Path, split: str = "train") -> list[dict]:
-    meta = json.loads((out / "meta.json").read_text())
-    rows = []
-    for shard in meta["splits"][split]["shards"]:
-        with pa.memory_map(str(out / shard)) as src:
-            table = pa.ipc.open_file(src).read_all()
-        assert table.schema.equals(SCHEMA)
-        rows += table.to_pylist()
-    return rows
 
 
 def findings(res: dict) -> dict[str, int]:
@@ -747,7 +737,7 @@ def test_cli(tmp_path, coco):
 def _stage(tmp_path: Path, data: dict | bytes, *, val: dict | None = None, **convert_params):
     """Run ``python -m stages.convert`` in a project folder holding ``data`` (a COCO dict, or raw bytes of the
     annotation file) over COCO128 images and params.yaml with ``convert_params``; returns the process."""
-    from support.pipeline import write_params
+    from support.pipeline import read_rows, write_params
 
     work = tmp_path / "work"
     (work / "data").mkdir(parents=True)

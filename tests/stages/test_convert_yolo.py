@@ -7,13 +7,13 @@ import json
 import shutil
 from pathlib import Path
 
-import pyarrow as pa
 import pytest
 import yaml
 
-from detpipe.data.convert import SCHEMA, convert
+from detpipe.data.convert import convert
 from detpipe.errors import StageError
 from detpipe.params import Convert
+from support.pipeline import read_rows
 
 REPO = Path(__file__).resolve().parents[2]
 COCO = REPO / "data" / "coco128"
@@ -26,17 +26,6 @@ def params(**kw) -> Convert:
                 strict=False, workers=0)
     base.update(kw)
     return Convert(**base)
-
-
-def read_rows(out: Path, split: str) -> list[dict]:
-    meta = json.loads((out / "meta.json").read_text())
-    rows = []
-    for shard in meta["splits"][split]["shards"]:
-        with pa.memory_map(str(out / shard)) as src:
-            table = pa.ipc.open_file(src).read_all()
-        assert table.schema.equals(SCHEMA)
-        rows += table.to_pylist()
-    return rows
 
 
 def _subset(images: list[dict], src: dict) -> dict:

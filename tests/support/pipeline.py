@@ -77,6 +77,23 @@ def checkpoint(workdir: Path, iteration: int) -> Path:
     return checkpoint_path(workdir / "checkpoints", iteration)
 
 
+def read_rows(out: Path, split: str = "train") -> list[dict]:
+    """The rows of the convert output ``out``'s ``split`` (``data/arrow``), in shard order, as dicts; asserts each
+    shard's schema is `detpipe.data.convert.SCHEMA`."""
+    import pyarrow as pa
+
+    from detpipe.data.convert import SCHEMA
+
+    meta = json.loads((out / "meta.json").read_text())
+    rows = []
+    for shard in meta["splits"][split]["shards"]:
+        with pa.memory_map(str(out / shard)) as src:
+            table = pa.ipc.open_file(src).read_all()
+        assert table.schema.equals(SCHEMA)
+        rows += table.to_pylist()
+    return rows
+
+
 def make_coco_subset(dest: Path, n_images: int = 12) -> dict:
     """Copy the first ``n_images`` COCO128 images (sorted by id) with their annotations into ``dest`` in the
     layout of ``data/raw`` (``annotations/instances_train2017.json``, ``train2017/``). Returns the JSON."""
