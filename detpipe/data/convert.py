@@ -2,10 +2,10 @@
 stage's work (`convert`, explicit paths, no dependence on the working directory; ``python -m stages.convert``
 calls it with params section ``convert``, reading ``data/raw`` and writing ``data/arrow``).
 
-Formats (``convert.format``): ``coco`` (below), ``yolo`` (`detpipe.data.yolo_reader`: data.yaml + label files,
-translated into COCO files in the output's scratch folder, which the COCO path below then reads: same rules,
-report and rows; ``meta.json``/``report.json`` gain ``"format": "yolo"`` and report.json a ``yolo`` section),
-``auto`` (`detpipe.data.yolo_reader.detect_format`, logged). A further format is a further translator.
+Formats (``convert.format``): ``coco`` (below); the formats of `detpipe.data.translate.READERS` (``yolo``:
+`detpipe.data.yolo_reader`), each translated into COCO files in the output's scratch folder, which the COCO path
+below then reads: same rules, report and rows; ``meta.json``/``report.json`` gain ``"format": "<name>"`` and
+report.json a ``<name>`` section; ``auto`` (`detpipe.data.translate.detect_format`, logged).
 
 Output (written into a temporary folder beside ``data/arrow`` and renamed at the end, so a failed or
 interrupted run leaves the previous output untouched and no half-written shard)::
@@ -107,7 +107,7 @@ from detpipe.data.coco_schema import Report
 from detpipe.data.cocoarrow import (SCHEMA, ShardResult, convert_shard, plan_shards, write_leak_check)
 from detpipe.data.imageio import inspect_image
 from detpipe.data.label_stats import LabelStats, write_label_plots
-from detpipe.data import yolo_reader
+from detpipe.data import translate
 from detpipe.errors import StageError
 from detpipe.files import atomic_dir
 from detpipe.params import Convert
@@ -242,62 +242,50 @@ def convert(raw_root: Path | str, out_dir: Path | str, params: Convert, *, progr
     Raises:
         StageError: an input of `detpipe.data.coco_schema.ERRORS` (malformed annotation file, a split emptied by the
             rules, ...), a missing image folder, or (``params.strict``) any rule of `detpipe.data.coco_schema.RULES`;
-            YOLO: a malformed data.yaml or label line (naming the file and line, `detpipe.data.yolo_reader`);
+            other formats: malformed input, naming the file and record (each reader's ``read``);
             ``format: auto`` finding both formats or neither.
     """
     raw_root, out_dir = Path(raw_root), Path(out_dir)
     fmt = params.format
     if fmt == "auto":
-        fmt = yolo_reader.detect_format(raw_root, params.annotations)
-        log.info("convert: format auto: found %s (%s)", fmt, yolo_reader.find_data_yaml(raw_root) if fmt == "yolo"
-                 else raw_root / params.annotations)
+        fmt, marker = translate.detect_format(raw_root, params.annotations)
+        log.info("convert: format auto: found %s (%s)", fmt, marker)
     if fmt == "coco":
         return _convert(raw_root, out_dir, params, progress, label_plots, None)
     translated: dict = {}
     try:
-        return _convert(raw_root, out_dir, params, progress, label_plots, translated)
+        return _convert(raw_root, out_dir, params, progress, label_plots, (fmt, translated))
     except StageError as e:
-        raise StageError(yolo_reader.rename_error(str(e), translated, raw_root)) from None
+        raise StageError(translate.rename_error(str(e), translated, raw_root)) from None
 
 
-def _yolo_sources(raw_root: Path, params: Convert, report: Report, tmp: Path, translated: dict) \
-        -> tuple[dict, list, Path, Path | None, dict, yolo_reader.YoloData]:
-    """`_sources` of a YOLO dataset: data.yaml read, each split translated to a COCO file in ``tmp``
-    (`detpipe.data.yolo_reader.to_coco`, filling ``translated``), those read as the COCO path reads its files.
-    Also returns report.json's ``yolo`` section and the parsed data.yaml."""
-    data = yolo_reader.read_data_yaml(raw_root)
-    tmp = tmp.absolute()                # the COCO files' paths are taken relative to raw_root below
-    yrep: dict = {"data_yaml": str(data.path), "names": data.names}
-    if not data.train:
-        raise StageError(f"{data.path}: 'train' lists no images")
-    translated["train"] = yolo_reader.to_coco(data, data.train, raw_root, tmp / ".yolo-train.json", "train", yrep)
-    if data.val:
-        translated["val"] = yolo_reader.to_coco(data, data.val, raw_root, tmp / ".yolo-val.json", "val", yrep)
-    yolo_reader.labels_without_image(data, raw_root, yrep)
-    if params.strict and yrep["labels_without_image"]["count"]:
-        ex = yrep["labels_without_image"]["examples"][0]
-        raise StageError(f"{ex['file']}: label file of no listed image (rule 'labels_without_image'; skipped unless "
-                         f"strict) (convert.strict is true)")
-    coco = params.model_copy(update={"annotations": str(translated["train"].json_path), "images": ".",
-                                     "val_annotations": str(translated["val"].json_path) if data.val else None,
-                                     "val_images": None})
+def _translated_sources(fmt: str, raw_root: Path, params: Convert, report: Report, tmp: Path, translated: dict) \
+        -> tuple[dict, list, Path, Path | None, translate.Dataset]:
+    """`_sources` of a dataset in format ``fmt``: translated into COCO files in ``tmp`` by its reader
+    (`detpipe.data.translate`, filling ``translated`` with the `Translated` per split), those read as the COCO path
+    reads its files. Also returns the `Dataset`."""
+    ds = translate.reader(fmt).read(raw_root, params, tmp.absolute())   # the COCO files' paths are taken
+    translated.update(ds.translated)                                    # relative to raw_root below
+    coco = params.model_copy(update={"annotations": str(ds.translated["train"].json_path), "images": ".",
+                                     "val_annotations": str(ds.translated["val"].json_path)
+                                     if "val" in ds.translated else None, "val_images": None})
     sources, categories, _, _ = _sources(raw_root, coco, report, tmp)
-    return sources, categories, data.path, data.path if data.val else None, yrep, data
+    return sources, categories, ds.source, ds.source if "val" in ds.translated else None, ds
 
 
 def _convert(raw_root: Path, out_dir: Path, params: Convert, progress: bool, label_plots: Path | str | None,
-             translated: dict | None) -> dict:
-    """`convert` of one format: COCO (``translated`` None) or YOLO (``translated``: filled with the
-    `detpipe.data.yolo_reader.Translated` per split, for naming the label files in findings and errors)."""
+             other: tuple[str, dict] | None) -> dict:
+    """`convert` of one format: COCO (``other`` None) or ``(format, translated)`` (``translated``: filled with the
+    `detpipe.data.translate.Translated` per split, for naming the source files in findings and errors)."""
     t0 = time.perf_counter()
     report = Report(params.strict)
-    yrep = data = None
+    ds = None
     with process_pool(params.workers) as pool, gc_paused() as parsed, atomic_dir(out_dir) as tmp:
-        if translated is None:
+        if other is None:
             sources, categories, train_file, val_file = _sources(raw_root, params, report, tmp)  # after the fork
         else:
-            sources, categories, train_file, val_file, yrep, data = _yolo_sources(raw_root, params, report, tmp,
-                                                                                  translated)
+            sources, categories, train_file, val_file, ds = _translated_sources(other[0], raw_root, params, report,
+                                                                                tmp, other[1])
         parsed()                        # the columns live until the end: frozen out of later collections
         cat_ids = sorted(c["id"] for c in categories)
         labels = {cid: k + 1 for k, cid in enumerate(cat_ids)}
@@ -344,22 +332,8 @@ def _convert(raw_root: Path, out_dir: Path, params: Convert, progress: bool, lab
                        for s, v in splits.items()},
             "rules": report.to_json(),
         }
-        if data is not None:
-            rel = str(data.path.relative_to(raw_root))
-            meta.update({"format": "yolo", "annotations_file": rel, "val_annotations_file": rel if data.val else None,
-                         "val_fraction": None if data.val else params.val_fraction})
-            rep.update({"format": "yolo", "annotations_file": str(train_file),
-                        "val_annotations_file": None if val_file is None else str(val_file)})
-            yolo_reader.rename_findings(rep["rules"], translated, raw_root)
-            if "val" in translated:
-                only = sorted(set(translated["val"].class_counts) - set(translated["train"].class_counts))
-                yrep["val_classes_not_in_train"] = [{"id": c, "name": data.names[c],
-                                                     "val_annotations": translated["val"].class_counts[c]}
-                                                    for c in only]
-                if only:
-                    log.warning("convert: %d class(es) in val but not in train: %s", len(only),
-                                ", ".join(f"{c} {data.names[c]!r}" for c in only))
-            rep["yolo"] = yrep
+        if ds is not None:
+            _translated_report(ds, raw_root, params, meta, rep)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
         (tmp / "report.json").write_text(json.dumps(rep, indent=2) + "\n")
 
@@ -372,3 +346,26 @@ def _convert(raw_root: Path, out_dir: Path, params: Convert, progress: bool, lab
              len(va["shards"]), total - tr["images"] - va["images"], total, report.summary(), out_dir,
              time.perf_counter() - t0)
     return {"meta": meta, "report": rep}
+
+
+def _translated_report(ds: translate.Dataset, raw_root: Path, params: Convert, meta: dict, rep: dict) -> None:
+    """meta.json and report.json of a translated dataset: ``format``, its source file, findings naming the source
+    files and records, the reader's section (report.json's ``<format>`` key) and the classes that are in val but
+    not in train (``val_classes_not_in_train``, also logged)."""
+    rel = str(ds.source.relative_to(raw_root))
+    has_val = "val" in ds.translated
+    meta.update({"format": ds.format, "annotations_file": rel, "val_annotations_file": rel if has_val else None,
+                 "val_fraction": None if has_val else params.val_fraction})
+    rep.update({"format": ds.format, "annotations_file": str(ds.source),
+                "val_annotations_file": str(ds.source) if has_val else None})
+    translate.rename_findings(rep["rules"], ds.translated, raw_root)
+    if has_val:
+        names = {c["id"]: c["name"] for c in ds.categories}
+        train, val = ds.translated["train"].class_counts, ds.translated["val"].class_counts
+        only = sorted(set(val) - set(train))
+        ds.section["val_classes_not_in_train"] = [{"id": c, "name": names[c], "val_annotations": val[c]}
+                                                  for c in only]
+        if only:
+            log.warning("convert: %d class(es) in val but not in train: %s", len(only),
+                        ", ".join(f"{c} {names[c]!r}" for c in only))
+    rep[ds.format] = ds.section

@@ -1,9 +1,8 @@
-"""The convert stage's reader of YOLO datasets (Ultralytics layout), and the format switch (`detect_format`).
+"""The convert stage's reader of YOLO datasets (Ultralytics layout; ``convert.format: yolo``).
 
 A YOLO dataset is translated, streamed, into COCO instances files in the output's scratch folder (`to_coco`), which
 the COCO path then reads: the validation rules, ``report.json``, the split's Arrow rows and ``meta.json`` are the
-COCO path's, shared. Readers of further formats (VOC, LabelMe, CVAT) are further ``to_coco``-like translators
-registered in `READERS`.
+COCO path's, shared (`detpipe.data.translate`: the reader interface, `detect` and `read`).
 
 Layout (``data/raw``)::
 
@@ -38,17 +37,16 @@ Mapping rules:
 """
 from __future__ import annotations
 
-import array
 import dataclasses
 import logging
 import math
 import os
 import re
 from pathlib import Path
-import orjson
 import yaml
 from PIL import Image, UnidentifiedImageError
 
+from detpipe.data.translate import CocoWriter, Dataset, Translated
 from detpipe.errors import StageError
 
 log = logging.getLogger(__name__)
@@ -59,39 +57,23 @@ DATA_YAML = ("data.yaml", "data.yml")
 _INVERSE = {2: 2, 3: 3, 4: 4, 5: 5, 6: 8, 7: 7, 8: 6}     # EXIF orientation -> its inverse
 
 
-def find_data_yaml(raw_root: Path) -> Path | None:
-    """``data.yaml`` (or ``data.yml``) at the top of ``raw_root`` that has a ``names`` key, or None."""
+MARKER = "data.yaml with names"
+"""What ``convert.format: auto`` looks for (`detect`)."""
+
+
+def detect(raw_root: Path) -> Path | None:
+    """``data.yaml`` (or ``data.yml``) at the top of ``raw_root`` that has a ``names`` key (or is malformed: still
+    YOLO's file; `read` names the error), else None."""
     for name in DATA_YAML:
         p = raw_root / name
         if p.is_file():
             try:
                 data = yaml.safe_load(p.read_text())
             except (yaml.YAMLError, UnicodeDecodeError):
-                return p                    # malformed: still YOLO's file; the reader names the error
+                return p
             if isinstance(data, dict) and "names" in data:
                 return p
     return None
-
-
-def detect_format(raw_root: Path, annotations: str) -> str:
-    """``"coco"`` or ``"yolo"``, from the files in ``raw_root``: a ``data.yaml`` with ``names`` -> yolo, the
-    ``convert.annotations`` JSON file -> coco.
-
-    Raises:
-        StageError: both found (ambiguous) or neither.
-    """
-    yolo = find_data_yaml(raw_root)
-    coco = raw_root / annotations
-    coco_found = coco.is_file() and coco.suffix.lower() == ".json"
-    if yolo is not None and coco_found:
-        raise StageError(f"{raw_root}: convert.format auto is ambiguous: both {yolo} (yolo) and {coco} (coco) "
-                         f"found; set convert.format")
-    if yolo is not None:
-        return "yolo"
-    if coco_found:
-        return "coco"
-    raise StageError(f"{raw_root}: convert.format auto found no dataset (no data.yaml with 'names', no "
-                     f"{annotations}); set convert.format")
 
 
 @dataclasses.dataclass
@@ -243,27 +225,9 @@ def _polygon_area(xy: list[float]) -> float:
     return abs(sum(x[i] * y[(i + 1) % n] - x[(i + 1) % n] * y[i] for i in range(n))) / 2
 
 
-@dataclasses.dataclass
-class Translated:
-    """What `to_coco` wrote for one split: the COCO file, and per annotation id (1..m, index id - 1) the label
-    file (index into ``images``, the image paths by image id - 1) and line, for naming findings."""
-    json_path: Path
-    images: list[str]
-    source: str = ""            # how messages name the split: "<data.yaml> ('val' images)"
-    ann_image: array.array = dataclasses.field(default_factory=lambda: array.array("q"))
-    ann_line: array.array = dataclasses.field(default_factory=lambda: array.array("i"))
-    class_counts: dict[int, int] = dataclasses.field(default_factory=dict)
-
-    def where(self, ann_id: int) -> str | None:
-        """``"<label file>:<line>"`` of annotation ``ann_id``, or None."""
-        if not 1 <= ann_id <= len(self.ann_line):
-            return None
-        return f"{label_path(self.images[self.ann_image[ann_id - 1]])}:{self.ann_line[ann_id - 1]}"
-
-
 def to_coco(data: YoloData, images: list[str], raw_root: Path, out: Path, split: str, report: dict) -> Translated:
     """Translate one split's images and their label files into the COCO instances file ``out`` (streamed: one
-    image's labels at a time; image records and annotations go to two files joined at the end).
+    image's labels at a time, through `detpipe.data.translate.CocoWriter`).
 
     ``report`` (the ``yolo`` section of report.json) gets ``images_without_labels`` counted with examples.
     Unreadable images are written with size 1x1 so that the COCO path counts them (rule ``image_unreadable``).
@@ -272,81 +236,80 @@ def to_coco(data: YoloData, images: list[str], raw_root: Path, out: Path, split:
     """
     from detpipe.data.geometry import orient_box, orient_segmentation
 
-    t = Translated(out, images, f"{data.path} ('{split}' images)")
-    counts = t.class_counts
+    t = Translated(out, f"{data.path} ('{split}' images)", images, label_path, "line")
+    writer = CocoWriter(t)
     neg = report.setdefault("images_without_labels", {"count": 0, "examples": []})
-    ims_path, anns_path = out.with_suffix(".images"), out.with_suffix(".anns")
-    ann_id = 0
-    with open(ims_path, "wb") as fi, open(anns_path, "wb") as fa:
-        for k, rel in enumerate(images):
-            image_id = k + 1
+    for k, rel in enumerate(images):
+        try:
+            w, h, orient = image_size(raw_root / rel)
+        except (OSError, UnidentifiedImageError, ValueError, Image.DecompressionBombError):
+            w, h, orient = 1, 1, 1      # the COCO path reads the file again and counts it as unreadable
+        image_id = writer.image(rel, w, h)
+        lab = label_path(rel)
+        try:
+            f = open(raw_root / lab, encoding="utf-8", errors="strict")
+        except FileNotFoundError:
+            neg["count"] += 1
+            if len(neg["examples"]) < 5:
+                neg["examples"].append({"split": split, "file": str(raw_root / rel),
+                                        "detail": f"no label file {lab}; kept as a negative"})
+            continue
+        with f:
             try:
-                w, h, orient = image_size(raw_root / rel)
-            except (OSError, UnidentifiedImageError, ValueError, Image.DecompressionBombError):
-                w, h, orient = 1, 1, 1      # the COCO path reads the file again and counts it as unreadable
-            fi.write((b"," if k else b"") + orjson.dumps({"id": image_id, "file_name": rel, "width": w,
-                                                           "height": h}))
-            lab = label_path(rel)
-            try:
-                f = open(raw_root / lab, encoding="utf-8", errors="strict")
-            except FileNotFoundError:
-                neg["count"] += 1
-                if len(neg["examples"]) < 5:
-                    neg["examples"].append({"split": split, "file": str(raw_root / rel),
-                                            "detail": f"no label file {lab}; kept as a negative"})
+                lines = list(enumerate(f, 1))
+            except UnicodeDecodeError as e:
+                raise StageError(f"{raw_root / lab}: not UTF-8 text (byte {e.start}) "
+                                 f"(rule 'yolo_label_line')") from None
+        for lineno, line in lines:
+            if not line.strip():
                 continue
-            with f:
-                try:
-                    lines = list(enumerate(f, 1))
-                except UnicodeDecodeError as e:
-                    raise StageError(f"{raw_root / lab}: not UTF-8 text (byte {e.start}) "
-                                     f"(rule 'yolo_label_line')") from None
-            for lineno, line in lines:
-                if not line.strip():
-                    continue
-                cls, v = parse_label_line(line, str(raw_root / lab), lineno, len(data.names))
-                seg = None
-                if len(v) == 4:
-                    cx, cy, bw, bh = v
-                    box = [(cx - bw / 2) * w, (cy - bh / 2) * h, bw * w, bh * h]
-                    area = box[2] * box[3]
-                else:
-                    xy = [c * (w if i % 2 == 0 else h) for i, c in enumerate(v)]
-                    xs, ys = xy[0::2], xy[1::2]
-                    box = [min(xs), min(ys), max(xs) - min(xs), max(ys) - min(ys)]
-                    seg = [xy]
-                    area = _polygon_area(xy)
-                if orient != 1 and (w, h) == (h, w) or orient in (2, 3, 4):
-                    # the COCO path maps boxes from the stored raster when the size does not tell the frames
-                    # apart: give it the stored-raster box, which it maps back to the displayed frame
-                    box = orient_box(box, w, h, _INVERSE[orient])
-                    if seg is not None:
-                        seg = orient_segmentation(seg, w, h, _INVERSE[orient])
-                ann_id += 1
-                rec = {"id": ann_id, "image_id": image_id, "category_id": cls, "bbox": box, "area": area,
-                       "iscrowd": 0}
+            cls, v = parse_label_line(line, str(raw_root / lab), lineno, len(data.names))
+            seg = None
+            if len(v) == 4:
+                cx, cy, bw, bh = v
+                box = [(cx - bw / 2) * w, (cy - bh / 2) * h, bw * w, bh * h]
+                area = box[2] * box[3]
+            else:
+                xy = [c * (w if i % 2 == 0 else h) for i, c in enumerate(v)]
+                xs, ys = xy[0::2], xy[1::2]
+                box = [min(xs), min(ys), max(xs) - min(xs), max(ys) - min(ys)]
+                seg = [xy]
+                area = _polygon_area(xy)
+            if orient != 1 and (w, h) == (h, w) or orient in (2, 3, 4):
+                # the COCO path maps boxes from the stored raster when the size does not tell the frames
+                # apart: give it the stored-raster box, which it maps back to the displayed frame
+                box = orient_box(box, w, h, _INVERSE[orient])
                 if seg is not None:
-                    rec["segmentation"] = seg
-                fa.write((b"," if ann_id > 1 else b"") + orjson.dumps(rec))
-                t.ann_image.append(k)
-                t.ann_line.append(lineno)
-                counts[cls] = counts.get(cls, 0) + 1
-    cats = orjson.dumps([{"id": i, "name": n, "supercategory": ""} for i, n in enumerate(data.names)])
-    with open(out, "wb") as f:
-        f.write(b'{"categories":' + cats + b',"images":[')
-        _copy(ims_path, f)
-        f.write(b'],"annotations":[')
-        _copy(anns_path, f)
-        f.write(b"]}")
-    ims_path.unlink()
-    anns_path.unlink()
-    return t
+                    seg = orient_segmentation(seg, w, h, _INVERSE[orient])
+            writer.annotation(image_id, cls, box, area, 0, k, lineno, seg)
+    return writer.close(categories(data))
 
 
-def _copy(src: Path, dst) -> None:
-    with open(src, "rb") as f:
-        while chunk := f.read(1 << 20):
-            dst.write(chunk)
+def categories(data: YoloData) -> list[dict]:
+    """The COCO categories of ``data``: id = class index, name = ``names[index]``."""
+    return [{"id": i, "name": n} for i, n in enumerate(data.names)]
+
+
+def read(raw_root: Path, params, tmp: Path) -> Dataset:
+    """The YOLO dataset in ``raw_root`` translated into COCO files under ``tmp`` (`detpipe.data.translate` reader
+    interface; ``params``: the ``convert`` section, for ``strict``).
+
+    Raises:
+        StageError: see the module docstring; with ``params.strict``, a label file of no listed image.
+    """
+    data = read_data_yaml(raw_root)
+    section: dict = {"data_yaml": str(data.path), "names": data.names}
+    if not data.train:
+        raise StageError(f"{data.path}: 'train' lists no images")
+    translated = {"train": to_coco(data, data.train, raw_root, tmp / ".yolo-train.json", "train", section)}
+    if data.val:
+        translated["val"] = to_coco(data, data.val, raw_root, tmp / ".yolo-val.json", "val", section)
+    labels_without_image(data, raw_root, section)
+    if params.strict and section["labels_without_image"]["count"]:
+        ex = section["labels_without_image"]["examples"][0]
+        raise StageError(f"{ex['file']}: label file of no listed image (rule 'labels_without_image'; skipped unless "
+                         f"strict) (convert.strict is true)")
+    return Dataset("yolo", data.path, categories(data), translated, section)
 
 
 def labels_without_image(data: YoloData, raw_root: Path, report: dict) -> None:
@@ -366,38 +329,3 @@ def labels_without_image(data: YoloData, raw_root: Path, report: dict) -> None:
                 if len(entry["examples"]) < 5:
                     entry["examples"].append({"file": str(raw_root / rel),
                                               "detail": "no image with this stem is listed; skipped"})
-
-
-_ANN = re.compile(r"^annotation id (\d+) \(image id (\d+)\)$")
-
-
-def rename_findings(rules: dict, translated: dict[str, Translated], raw_root: Path) -> None:
-    """In ``rules`` (report.json's), replace each example's generated-COCO file with the label file and line it
-    came from (``file``: ``.../labels/x.txt``, ``record``: ``line 3 (image id 2)``)."""
-    by_path = {str(t.json_path): t for t in translated.values()}
-    for rule in rules.values():
-        for ex in rule["examples"]:
-            t = by_path.get(ex.get("file"))
-            m = _ANN.match(ex.get("record", ""))
-            if t is None or m is None:
-                continue
-            where = t.where(int(m.group(1)))
-            if where is not None:
-                file, line = where.rsplit(":", 1)
-                ex["file"] = str(raw_root / file)
-                ex["record"] = f"line {line} (image id {m.group(2)})"
-
-
-def rename_error(msg: str, translated: dict[str, Translated], raw_root: Path) -> str:
-    """A strict-mode `StageError` message about a generated COCO file, with the label file and line instead."""
-    for t in translated.values():
-        prefix = f"{t.json_path}: "
-        if msg.startswith(prefix):
-            m = re.match(r"annotation id (\d+) \(image id (\d+)\)", msg[len(prefix):])
-            if m:
-                where = t.where(int(m.group(1)))
-                if where:
-                    file, line = where.rsplit(":", 1)
-                    return f"{raw_root / file}:{line} (image id {m.group(2)})" + msg[len(prefix) + m.end():]
-            return msg.replace(str(t.json_path), t.source)
-    return msg

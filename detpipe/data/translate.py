@@ -1,0 +1,184 @@
+"""What the convert stage's readers of non-COCO formats share: each translates its dataset, streamed, into COCO
+instances files in the output's scratch folder, which the COCO path then reads (one set of validation rules, one
+``report.json``, one Arrow writer), and keeps, per annotation, where it came from so that findings and errors name
+the user's own file and record instead of the generated COCO file.
+
+A reader is a module registered in `READERS` (``convert.format`` name -> module) with:
+
+- ``detect(raw_root: Path) -> Path | None``: the file that marks the format in ``raw_root`` (for ``format: auto``),
+  or None;
+- ``read(raw_root: Path, params: Convert, tmp: Path) -> Dataset``: the translation (COCO files written under
+  ``tmp`` with `CocoWriter`), raising `detpipe.errors.StageError` naming the file and record for malformed input.
+"""
+from __future__ import annotations
+
+import array
+import dataclasses
+import importlib
+import re
+from pathlib import Path
+from typing import Callable
+
+import orjson
+
+from detpipe.errors import StageError
+
+READERS = {"yolo": "detpipe.data.yolo_reader"}
+"""``convert.format`` -> the module that reads it (imported on use)."""
+
+
+def reader(name: str):
+    """The reader module of format ``name`` (a key of `READERS`)."""
+    return importlib.import_module(READERS[name])
+
+
+@dataclasses.dataclass
+class Translated:
+    """What `CocoWriter` wrote for one split: the COCO file, and per annotation id (1..m, index id - 1) the source
+    file (``files[ann_file[id - 1]]``, relative to raw_root, passed through ``file_of``) and record number
+    (``ann_record``: a line for YOLO, the object's 1-based position in its file for the XML/JSON formats, named by
+    ``record_word``), for naming findings; ``class_counts``: category id -> annotations written."""
+    json_path: Path
+    source: str = ""            # how messages name the split: "<data.yaml> ('val' images)"
+    files: list[str] = dataclasses.field(default_factory=list)
+    file_of: Callable[[str], str] = str
+    record_word: str = "line"
+    ann_file: array.array = dataclasses.field(default_factory=lambda: array.array("q"))
+    ann_record: array.array = dataclasses.field(default_factory=lambda: array.array("i"))
+    class_counts: dict[int, int] = dataclasses.field(default_factory=dict)
+
+    def where(self, ann_id: int) -> tuple[str, str] | None:
+        """``(source file relative to raw_root, "line 3")`` of annotation ``ann_id``, or None."""
+        if not 1 <= ann_id <= len(self.ann_record):
+            return None
+        return (self.file_of(self.files[self.ann_file[ann_id - 1]]),
+                f"{self.record_word} {self.ann_record[ann_id - 1]}")
+
+
+@dataclasses.dataclass
+class Dataset:
+    """A translated dataset: its ``format``, the file that describes it (``source``: data.yaml, the annotation
+    folder, annotations.xml), its categories (``[{"id", "name"}]``, the dataset's own ids), the `Translated` per split
+    (``"train"``, and ``"val"`` when the dataset has its own val split; else the COCO path splits train by
+    ``convert.val_fraction``) and report.json's section for the format (counts with examples)."""
+    format: str
+    source: Path
+    categories: list[dict]
+    translated: dict[str, Translated]
+    section: dict
+
+
+class CocoWriter:
+    """Streams one split into a COCO instances file: image records and annotations go to two scratch files, joined
+    with the categories by `close` (memory: the `Translated` arrays, 12 bytes per annotation).
+
+    Images get ids 1..n in call order; annotations 1..m."""
+
+    def __init__(self, t: Translated):
+        self.t = t
+        self._ims = open(t.json_path.with_suffix(".images"), "wb")
+        self._anns = open(t.json_path.with_suffix(".anns"), "wb")
+        self.images = 0
+        self.annotations = 0
+
+    def image(self, file_name: str, width: int, height: int) -> int:
+        """Add an image record (``file_name`` relative to raw_root, size in pixels as displayed); its id."""
+        self.images += 1
+        self._ims.write((b"," if self.images > 1 else b"") + orjson.dumps(
+            {"id": self.images, "file_name": file_name, "width": width, "height": height}))
+        return self.images
+
+    def annotation(self, image_id: int, category_id: int, bbox: list[float], area: float, iscrowd: int,
+                   file_index: int, record: int, segmentation: list | None = None, **extra) -> None:
+        """Add an annotation (COCO ``bbox`` ``[x, y, w, h]`` and ``segmentation`` polygons in pixels, ``area`` in
+        pixels^2) read from ``files[file_index]``'s record ``record``; ``extra`` keys go into the record as they are
+        (e.g. ``attributes``)."""
+        self.annotations += 1
+        rec = {"id": self.annotations, "image_id": image_id, "category_id": category_id, "bbox": bbox,
+               "area": area, "iscrowd": iscrowd, **extra}
+        if segmentation is not None:
+            rec["segmentation"] = segmentation
+        self._anns.write((b"," if self.annotations > 1 else b"") + orjson.dumps(rec))
+        self.t.ann_file.append(file_index)
+        self.t.ann_record.append(record)
+        self.t.class_counts[category_id] = self.t.class_counts.get(category_id, 0) + 1
+
+    def close(self, categories: list[dict]) -> Translated:
+        """Write the COCO file (``categories``: ``[{"id", "name"}]``) and remove the scratch files."""
+        self._ims.close()
+        self._anns.close()
+        cats = orjson.dumps([{"id": c["id"], "name": c["name"], "supercategory": c.get("supercategory", "")}
+                             for c in categories])
+        with open(self.t.json_path, "wb") as f:
+            f.write(b'{"categories":' + cats + b',"images":[')
+            for part in (self._ims.name, self._anns.name):
+                with open(part, "rb") as src:
+                    while chunk := src.read(1 << 20):
+                        f.write(chunk)
+                if part == self._ims.name:
+                    f.write(b'],"annotations":[')
+            f.write(b"]}")
+        for part in (self._ims.name, self._anns.name):
+            Path(part).unlink()
+        return self.t
+
+
+def detect_format(raw_root: Path, annotations: str) -> tuple[str, Path]:
+    """``(format, the file that shows it)`` from the files in ``raw_root``: each reader's ``detect``, and the
+    ``convert.annotations`` JSON file for coco.
+
+    Raises:
+        StageError: more than one format found (ambiguous) or none.
+    """
+    found = []
+    for name in READERS:
+        marker = reader(name).detect(raw_root)
+        if marker is not None:
+            found.append((name, marker))
+    coco = raw_root / annotations
+    if coco.is_file() and coco.suffix.lower() == ".json":
+        found.append(("coco", coco))
+    if len(found) > 1:
+        raise StageError(f"{raw_root}: convert.format auto is ambiguous: "
+                         + " and ".join(f"{m} ({n})" for n, m in found) + " found; set convert.format")
+    if not found:
+        raise StageError(f"{raw_root}: convert.format auto found no dataset ("
+                         + ", ".join(f"{n}: {reader(n).MARKER}" for n in READERS)
+                         + f", coco: {annotations}); set convert.format")
+    return found[0]
+
+
+_ANN = re.compile(r"^annotation id (\d+) \(image id (\d+)\)$")
+
+
+def rename_findings(rules: dict, translated: dict[str, Translated], raw_root: Path) -> None:
+    """In ``rules`` (report.json's), replace each example's generated-COCO file with the source file and record it
+    came from (``file``: ``.../labels/x.txt``, ``record``: ``line 3 (image id 2)``)."""
+    by_path = {str(t.json_path): t for t in translated.values()}
+    for rule in rules.values():
+        for ex in rule["examples"]:
+            t = by_path.get(ex.get("file"))
+            m = _ANN.match(ex.get("record", ""))
+            if t is None or m is None:
+                continue
+            where = t.where(int(m.group(1)))
+            if where is not None:
+                ex["file"] = str(raw_root / where[0])
+                ex["record"] = f"{where[1]} (image id {m.group(2)})"
+
+
+def rename_error(msg: str, translated: dict[str, Translated], raw_root: Path) -> str:
+    """A `StageError` message about a generated COCO file (strict mode), with the source file and record
+    instead."""
+    for t in translated.values():
+        prefix = f"{t.json_path}: "
+        if msg.startswith(prefix):
+            m = re.match(r"annotation id (\d+) \(image id (\d+)\)", msg[len(prefix):])
+            if m:
+                where = t.where(int(m.group(1)))
+                if where:
+                    sep = ":" if t.record_word == "line" else ", "
+                    rec = where[1].split(" ", 1)[1] if sep == ":" else where[1]
+                    return f"{raw_root / where[0]}{sep}{rec} (image id {m.group(2)})" + msg[len(prefix) + m.end():]
+            return msg.replace(str(t.json_path), t.source)
+    return msg
