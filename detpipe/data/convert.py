@@ -2,10 +2,10 @@
 stage's work (`convert`, explicit paths, no dependence on the working directory; ``python -m stages.convert``
 calls it with params section ``convert``, reading ``data/raw`` and writing ``data/arrow``).
 
-Formats (``convert.format``): ``coco`` (below); the formats of `detpipe.data.translate.READERS` (``yolo``:
+Formats (``convert.format``): ``coco`` (below); the formats of `READERS` (``yolo``:
 `detpipe.data.yolo_reader`), each translated into COCO files in the output's scratch folder, which the COCO path
 below then reads: same rules, report and rows; ``meta.json``/``report.json`` gain ``"format": "<name>"`` and
-report.json a ``<name>`` section; ``auto`` (`detpipe.data.translate.detect_format`, logged).
+report.json a ``<name>`` section; ``auto`` (`detect_format`, logged).
 
 Output (written into a temporary folder beside ``data/arrow`` and renamed at the end, so a failed or
 interrupted run leaves the previous output untouched and no half-written shard)::
@@ -107,7 +107,7 @@ from detpipe.data.coco_schema import Report
 from detpipe.data.cocoarrow import (SCHEMA, ShardResult, convert_shard, plan_shards, write_leak_check)
 from detpipe.data.imageio import inspect_image
 from detpipe.data.label_stats import LabelStats, write_label_plots
-from detpipe.data import translate
+from detpipe.data import translate, yolo_reader
 from detpipe.errors import StageError
 from detpipe.files import atomic_dir
 from detpipe.params import Convert
@@ -116,7 +116,35 @@ from detpipe.progress import Progress
 
 log = logging.getLogger(__name__)
 
-__all__ = ["convert", "split_ids", "inspect_image", "SCHEMA"]
+__all__ = ["convert", "split_ids", "inspect_image", "SCHEMA", "READERS", "detect_format"]
+
+READERS = {"yolo": yolo_reader}
+"""``convert.format`` -> the module that reads it (`detpipe.data.translate`'s reader interface)."""
+
+
+def detect_format(raw_root: Path, annotations: str) -> tuple[str, Path]:
+    """``(format, the file that shows it)`` from the files in ``raw_root``: each reader's ``detect``, and the
+    ``convert.annotations`` JSON file for coco.
+
+    Raises:
+        StageError: more than one format found (ambiguous) or none.
+    """
+    found = []
+    for name in READERS:
+        marker = READERS[name].detect(raw_root)
+        if marker is not None:
+            found.append((name, marker))
+    coco = raw_root / annotations
+    if coco.is_file() and coco.suffix.lower() == ".json":
+        found.append(("coco", coco))
+    if len(found) > 1:
+        raise StageError(f"{raw_root}: convert.format auto is ambiguous: "
+                         + " and ".join(f"{m} ({n})" for n, m in found) + " found; set convert.format")
+    if not found:
+        raise StageError(f"{raw_root}: convert.format auto found no dataset ("
+                         + ", ".join(f"{n}: {READERS[n].MARKER}" for n in READERS)
+                         + f", coco: {annotations}); set convert.format")
+    return found[0]
 
 
 def _sources(raw_root: Path, params: Convert, report: Report, tmp: Path) -> tuple[dict, list, Path, Path | None]:
@@ -248,7 +276,7 @@ def convert(raw_root: Path | str, out_dir: Path | str, params: Convert, *, progr
     raw_root, out_dir = Path(raw_root), Path(out_dir)
     fmt = params.format
     if fmt == "auto":
-        fmt, marker = translate.detect_format(raw_root, params.annotations)
+        fmt, marker = detect_format(raw_root, params.annotations)
         log.info("convert: format auto: found %s (%s)", fmt, marker)
     if fmt == "coco":
         return _convert(raw_root, out_dir, params, progress, label_plots, None)
@@ -264,7 +292,7 @@ def _translated_sources(fmt: str, raw_root: Path, params: Convert, report: Repor
     """`_sources` of a dataset in format ``fmt``: translated into COCO files in ``tmp`` by its reader
     (`detpipe.data.translate`, filling ``translated`` with the `Translated` per split), those read as the COCO path
     reads its files. Also returns the `Dataset`."""
-    ds = translate.reader(fmt).read(raw_root, params, tmp.absolute())   # the COCO files' paths are taken
+    ds = READERS[fmt].read(raw_root, params, tmp.absolute())   # the COCO files' paths are taken
     translated.update(ds.translated)                                    # relative to raw_root below
     coco = params.model_copy(update={"annotations": str(ds.translated["train"].json_path), "images": ".",
                                      "val_annotations": str(ds.translated["val"].json_path)

@@ -3,7 +3,9 @@ instances files in the output's scratch folder, which the COCO path then reads (
 ``report.json``, one Arrow writer), and keeps, per annotation, where it came from so that findings and errors name
 the user's own file and record instead of the generated COCO file.
 
-A reader is a module registered in `READERS` (``convert.format`` name -> module) with:
+A reader is a module registered in `detpipe.data.convert.READERS` (``convert.format`` name -> module, imported
+there so that dvc.yaml lists it as a dep of convert) with ``MARKER`` (what ``format: auto`` looks for, in words)
+and:
 
 - ``detect(raw_root: Path) -> Path | None``: the file that marks the format in ``raw_root`` (for ``format: auto``),
   or None;
@@ -14,22 +16,11 @@ from __future__ import annotations
 
 import array
 import dataclasses
-import importlib
 import re
 from pathlib import Path
 from typing import Callable
 
 import orjson
-
-from detpipe.errors import StageError
-
-READERS = {"yolo": "detpipe.data.yolo_reader"}
-"""``convert.format`` -> the module that reads it (imported on use)."""
-
-
-def reader(name: str):
-    """The reader module of format ``name`` (a key of `READERS`)."""
-    return importlib.import_module(READERS[name])
 
 
 @dataclasses.dataclass
@@ -121,31 +112,6 @@ class CocoWriter:
         for part in (self._ims.name, self._anns.name):
             Path(part).unlink()
         return self.t
-
-
-def detect_format(raw_root: Path, annotations: str) -> tuple[str, Path]:
-    """``(format, the file that shows it)`` from the files in ``raw_root``: each reader's ``detect``, and the
-    ``convert.annotations`` JSON file for coco.
-
-    Raises:
-        StageError: more than one format found (ambiguous) or none.
-    """
-    found = []
-    for name in READERS:
-        marker = reader(name).detect(raw_root)
-        if marker is not None:
-            found.append((name, marker))
-    coco = raw_root / annotations
-    if coco.is_file() and coco.suffix.lower() == ".json":
-        found.append(("coco", coco))
-    if len(found) > 1:
-        raise StageError(f"{raw_root}: convert.format auto is ambiguous: "
-                         + " and ".join(f"{m} ({n})" for n, m in found) + " found; set convert.format")
-    if not found:
-        raise StageError(f"{raw_root}: convert.format auto found no dataset ("
-                         + ", ".join(f"{n}: {reader(n).MARKER}" for n in READERS)
-                         + f", coco: {annotations}); set convert.format")
-    return found[0]
 
 
 _ANN = re.compile(r"^annotation id (\d+) \(image id (\d+)\)$")
