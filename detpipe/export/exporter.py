@@ -453,11 +453,15 @@ final detections matched {{ r['detections']['match'] | fmt('.3f') }}) |
 {% endif %}
 {% endfor %}
 
-Labels map to COCO category ids via `category_id_to_label` in `data/arrow/meta.json`:
+Classes: the model's output `labels` are training labels; `predict` and `evaluate` report the dataset's own
+category ids and names{% if meta.get('format') %} ({{ meta['format'] }} dataset{{ ': ids are the class indices of ' + meta['annotations_file'] if meta['format'] == 'yolo' else '' }}){% endif %}
+(`category_id_to_label` in `data/arrow/meta.json`; label 0 is the background):
 
-```json
-{{ meta['label_names'] | json }}
-```
+| label | category_id | name |
+|---|---|---|
+{% for cid, label in meta['category_id_to_label'].items() | sort(attribute='1') %}
+| {{ label }} | {{ cid }} | {{ meta['label_names'][label] }} |
+{% endfor %}
 
 ## Run
 

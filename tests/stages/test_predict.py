@@ -6,7 +6,7 @@ What is proven: the ONNX file and model.pt give the same predictions under the e
 (raw pre-NMS outputs within ``export.rtol``, final detections matched by `detpipe.export.exporter.parity`); boxes
 come back in original-image pixels (IoU >= 0.5 with the ground truth on images that are not 320x320, while the
 same boxes left in the model's 320x320 frame are not); category ids are the dataset's COCO ids, not the
-contiguous training labels; EXIF orientation and 16-bit images decode as the pipeline decodes them; corrupt,
+contiguous training labels, and a YOLO copy of the dataset's are its class indices (predictions and model card); EXIF orientation and 16-bit images decode as the pipeline decodes them; corrupt,
 empty and non-image files are skipped, counted and named; every source kind (folder, glob, file, http URL, s3
 prefix) lists the same images; a missing model, missing data meta or empty source is a one-line error.
 """
@@ -182,6 +182,54 @@ def test_boxes_in_original_pixels_with_dataset_category_ids(exported, gt, tmp_pa
         assert iou >= 0.5 and iou_model_frame < 0.5
         checked += 1
     assert checked == len(SUREST)
+
+
+def test_yolo_dataset_ids_and_names_in_predictions_and_model_card(exported, gt, tmp_path):
+    """The fitted model with its 4 images converted from a YOLO copy of them (labels written by globox 2.9.0 from
+    the COCO annotations; data.yaml ``names`` in COCO id order, so the training labels 1..4 are the same classes):
+    predict's category ids are the YOLO class indices of ``names`` (dog 0, elephant 1, zebra 2, giraffe 3) with
+    their names, never the COCO ids (18, 22, 24, 25) the same model reports with the COCO meta; the model card's
+    class table lists label -> the dataset's id -> name for each (YOLO indices, then COCO ids)."""
+    import yaml
+    from globox import AnnotationSet
+
+    from detpipe.data.convert import convert
+    from detpipe.export.exporter import model_card
+
+    names = [c["name"] for c in sorted(gt["categories"], key=lambda c: c["id"])]
+    assert names == ["dog", "elephant", "zebra", "giraffe"]
+    work = tmp_path / "w"
+    shutil.copytree(exported, work, ignore=shutil.ignore_patterns("checkpoints", ".dvc"))
+    yraw = tmp_path / "yolo"
+    (yraw / "labels").mkdir(parents=True)
+    shutil.copytree(exported / "data/raw/images", yraw / "images" / "train")
+    AnnotationSet.from_coco(exported / "data/raw/annotations/train.json").save_yolo_v5(
+        yraw / "labels" / "train", label_to_id={n: i for i, n in enumerate(names)})
+    shutil.copytree(exported / "data/raw/val_images", yraw / "images" / "val")     # same pixels, other bytes
+    shutil.copytree(yraw / "labels" / "train", yraw / "labels" / "val")
+    (yraw / "data.yaml").write_text(yaml.safe_dump({"train": "images/train", "val": "images/val", "names": names}))
+    cfg = params_mod.load("convert", work / "params.yaml").model_copy(update={"format": "yolo", "workers": 0})
+    shutil.rmtree(work / "data/arrow")
+    convert(yraw, work / "data/arrow", cfg, progress=False)
+    meta = json.loads((work / "data/arrow/meta.json").read_text())
+    assert meta["format"] == "yolo" and meta["label_names"][1:] == names
+
+    _, preds = _run(work, _folder(tmp_path / "images", work), tmp_path / "out")
+    assert preds and {p["category_id"] for p in preds} <= {0, 1, 2, 3}
+    assert all(p["category_name"] == names[p["category_id"]] for p in preds)
+    for file_name, name in zip(SUREST, ("dog", "giraffe")):
+        top = max((p for p in preds if p["file_name"] == file_name), key=lambda p: p["score"])
+        assert (top["category_id"], top["category_name"]) == (names.index(name), name), top
+    _, coco_preds = _run(exported, _folder(tmp_path / "images_coco", exported), tmp_path / "out_coco")
+    assert {p["category_id"] for p in coco_preds} <= {18, 22, 24, 25}
+
+    ckpt = torch.load(work / "models/model.pt", weights_only=True)
+    report = json.loads((work / "models/export_report.json").read_text())
+    for arrow, ids in ((work / "data/arrow", [0, 1, 2, 3]), (exported / "data/arrow", [18, 22, 24, 25])):
+        card = model_card(ckpt, report, arrow, work / "metrics/eval.json")
+        assert ("(yolo dataset: ids are the class indices of data.yaml)" in card) == (ids[0] == 0)
+        for label, (cid, name) in enumerate(zip(ids, names), 1):
+            assert f"| {label} | {cid} | {name} |" in card.splitlines(), card
 
 
 def test_exif_orientation_and_bit_depth_decode_like_the_pipeline(exported, tmp_path):
