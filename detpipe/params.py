@@ -92,8 +92,8 @@ class Download(_Section):
 
 class Convert(_Section):
     format: Literal["coco", "yolo", "auto"] = Field(default="coco", description="Dataset format in data/raw: coco (annotations + images), yolo (data.yaml with names, train, val; Ultralytics layout, see docs/convert.md), auto (yolo if data/raw holds a data.yaml with names, coco if the annotations JSON exists; both or neither is an error).")
-    annotations: str = Field(description='COCO instances JSON, relative to data/raw.')
-    images: str = Field(description='Image folder of that JSON, relative to data/raw.')
+    annotations: Optional[str] = Field(default=None, description='COCO instances JSON, relative to data/raw (required for format coco; auto looks for it; other formats ignore it).')
+    images: Optional[str] = Field(default=None, description='Image folder of that JSON, relative to data/raw (required for format coco).')
     val_annotations: Optional[str] = Field(default=None, description='Separate val/test JSON relative to data/raw (its own image-id space); null = split the train file by val_fraction.')
     val_images: Optional[str] = Field(default=None, description='Image folder of val_annotations (default: images).')
     val_fraction: float = Field(default=0.2, ge=0, lt=1, description='Share of images (by sorted id, permuted with seed) that go to val when there is no val file.')
@@ -101,6 +101,12 @@ class Convert(_Section):
     shard_mb: float = Field(default=64, gt=0, description='Image bytes per Arrow shard, in MB (10^6 bytes).')
     strict: bool = Field(default=False, description='Turn every counted validation rule into an error naming the file, record and rule.')
     workers: int = Field(default=2, ge=0, description='Processes that read, validate and write shards (0 = in this process).')
+
+    @model_validator(mode="after")
+    def _coco_needs_its_files(self):
+        if self.format == "coco" and (self.annotations is None or self.images is None):
+            raise ValueError("format coco needs annotations (the COCO JSON) and images (its image folder)")
+        return self
 
 
 class Augment(_Section):

@@ -122,7 +122,7 @@ READERS = {"yolo": yolo_reader}
 """``convert.format`` -> the module that reads it (`detpipe.data.translate`'s reader interface)."""
 
 
-def detect_format(raw_root: Path, annotations: str) -> tuple[str, Path]:
+def detect_format(raw_root: Path, annotations: str | None) -> tuple[str, Path]:
     """``(format, the file that shows it)`` from the files in ``raw_root``: each reader's ``detect``, and the
     ``convert.annotations`` JSON file for coco.
 
@@ -134,8 +134,8 @@ def detect_format(raw_root: Path, annotations: str) -> tuple[str, Path]:
         marker = READERS[name].detect(raw_root)
         if marker is not None:
             found.append((name, marker))
-    coco = raw_root / annotations
-    if coco.is_file() and coco.suffix.lower() == ".json":
+    coco = raw_root / annotations if annotations else None
+    if coco is not None and coco.is_file() and coco.suffix.lower() == ".json":
         found.append(("coco", coco))
     if len(found) > 1:
         raise StageError(f"{raw_root}: convert.format auto is ambiguous: "
