@@ -331,7 +331,15 @@ def test_cli_yolo_and_auto(dataset, tmp_path):
 
     raw = yolo_copy(dataset, tmp_path / "data" / "raw")
     conf = yaml.safe_load((REPO / "params.yaml").read_text())
-    conf["convert"].update({"format": "auto", "workers": 1})
+    conf["convert"].update({"format": "coco", "workers": 1})
+    del conf["convert"]["annotations"], conf["convert"]["images"]
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(conf))
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    no_files = subprocess.run([sys.executable, "-m", "stages.convert"], cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=120)
+    assert no_files.returncode == 2 and "Traceback" not in no_files.stderr
+    assert "key 'convert': Value error, format coco needs annotations" in no_files.stderr, no_files.stderr
+    conf["convert"]["format"] = "auto"
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(conf))
     env = dict(os.environ, PYTHONPATH=str(REPO))
     cmd = [sys.executable, "-m", "stages.convert"]
