@@ -209,7 +209,7 @@ LAUNCH_ONLY = frozenset({"nnodes", "rdzv_endpoint", "max_restarts", "rdzv_id", "
                          "collective_timeout_s", "socket_ifname"})
 """`Train` fields that only say how the job is launched (torchrun, rendezvous, Slurm, Kubernetes, the collective
 timeout, the network interface): they change neither what is trained nor its result, so a checkpoint made with other
-values resumes (`detpipe.engine.trainer.fingerprint` leaves them out)."""
+values resumes (`detpipe.engine.checkpoints.fingerprint` leaves them out)."""
 
 SCHEDULE = frozenset({"epochs", "lr", "base_batch_size", "schedule", "milestones", "gamma", "warmup_iters",
                       "weight_decay", "ema_decay", "patience", "min_delta"})
@@ -217,7 +217,7 @@ SCHEDULE = frozenset({"epochs", "lr", "base_batch_size", "schedule", "milestones
 other values of these is continued by ``train.resume: auto`` (model, optimizer, scaler, EMA, sampler and RNG state
 kept; the lr from the checkpoint's iteration on follows the plan for the new values: `detpipe.engine.hooks.lr_factor`
 over the new total). Every other result-changing field (model, classes through the data, resize, augmentation,
-seed, batch composition, precision, momentum) makes another training (`detpipe.engine.trainer.fingerprint`)."""
+seed, batch composition, precision, momentum) makes another training (`detpipe.engine.checkpoints.fingerprint`)."""
 
 class Evaluate(_Section):
     batch_size: int = Field(default=16, ge=1, description='Images per forward pass.')

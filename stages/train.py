@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.emit:
             jobs.write_job(cfg, args.emit, args.out)
         else:
-            from detpipe.engine.trainer import check_resume
+            from detpipe.engine.checkpoints import check_resume  # torch, not torchvision
 
             check_resume(cfg)  # a resume every worker would refuse: one line here, no restarted workers
             jobs.check_and_launch(cfg)

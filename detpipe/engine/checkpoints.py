@@ -1,6 +1,10 @@
-"""Checkpoint files: ``ckpt-NNNNNNN.pt`` naming, atomic ``torch.save``, RNG state, and which one to resume from."""
+"""Checkpoint files: ``ckpt-NNNNNNN.pt`` naming, atomic ``torch.save``, RNG state, which training a checkpoint belongs
+to (`fingerprint`) and which one to resume from. Imports torch but not torchvision: the launcher's `check_resume` runs
+here without the model code."""
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import random
 from pathlib import Path
@@ -8,8 +12,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from detpipe import params as params_mod
 from detpipe.errors import StageError
 from detpipe.files import atomic_open
+from detpipe.paths import ARROW_META, CACHE_DIR, CKPT_DIR
 from detpipe.paths import checkpoint_path, list_checkpoints  # noqa: F401  (re-exported: the trainer's names)
 
 log = logging.getLogger("detpipe.engine.checkpoints")
@@ -74,9 +80,9 @@ def find_resume_state(resume: str, fingerprint: str, ckpt_dir: Path | str, sched
 def resume_decision(resume: str, fingerprint: str, ckpt_dir: Path | str,
                     schedule: dict | None = None) -> tuple[dict | None, str]:
     """What ``train.resume`` makes of the checkpoints in ``ckpt_dir`` (nothing is changed there): the newest readable
-    checkpoint of this `FORMAT` made with ``fingerprint`` (the same training: `detpipe.engine.trainer.fingerprint`)
+    checkpoint of this `FORMAT` made with ``fingerprint`` (the same training: `fingerprint`)
 
-    - resumes when its ``schedule`` (the schedule keys' values, `detpipe.engine.trainer.schedule_params`) equals
+    - resumes when its ``schedule`` (the schedule keys' values, `schedule_params`) equals
       ``schedule`` (``auto``, ``restart``, ``must``);
     - with another schedule and ``auto`` or ``must``, is *continued* when the new ``epochs`` leave iterations after
       it (after an early stop, only when ``patience`` or ``min_delta`` changed too); when it finished its own
@@ -145,6 +151,49 @@ def resume_decision(resume: str, fingerprint: str, ckpt_dir: Path | str,
 
 def schedule_changes(old: dict | None, new: dict | None) -> str:
     """``"epochs 2 -> 4, lr 0.01 -> 0.02"``: the keys whose values differ between two schedule dicts
-    (`detpipe.engine.trainer.schedule_params`; None counts as {}); "" when none differ."""
+    (`schedule_params`; None counts as {}); "" when none differ."""
     old, new = old or {}, new or {}
     return ", ".join(f"{k} {old.get(k)} -> {new.get(k)}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k))
+
+
+# Params that do not change the result of training: a checkpoint made with other values resumes.
+_NOT_IN_FINGERPRINT = {"resume", "final", "keep_last", "checkpoint_every", "num_workers", "threads", "log_every",
+                       "eval_every", "log_every_s", "cache_url", "cache_local_dir",
+                       "cache_local_bytes"} | params_mod.LAUNCH_ONLY
+
+
+def fingerprint(cfg: params_mod.Train, cache_meta: bytes, arrow_meta: bytes) -> str:
+    """Which training a checkpoint belongs to: sha256 (hex) over the training params that affect the result, except
+    the schedule keys (`detpipe.params.SCHEDULE`: a checkpoint with other values of those is the same training,
+    continued with another schedule: `schedule_params`), and the data's meta files (bytes)."""
+    relevant = {k: v for k, v in cfg.model_dump().items()
+                if k not in _NOT_IN_FINGERPRINT and k not in params_mod.SCHEDULE}
+    h = hashlib.sha256(json.dumps(relevant, sort_keys=True).encode())
+    h.update(cache_meta)
+    h.update(arrow_meta)
+    return h.hexdigest()
+
+
+def schedule_params(cfg: params_mod.Train) -> dict:
+    """The schedule keys of ``cfg`` (`detpipe.params.SCHEDULE`) and their values, as a checkpoint stores them."""
+    return {k: v for k, v in cfg.model_dump().items() if k in params_mod.SCHEDULE}
+
+
+def check_resume(cfg: params_mod.Train, cache_dir: Path = CACHE_DIR, arrow_meta: Path = ARROW_META,
+                 ckpt_dir: Path = CKPT_DIR) -> None:
+    """The launcher's check of ``train.resume`` against ``ckpt_dir`` (`resume_decision`, nothing changed there),
+    before any worker starts: a run that every worker would refuse (``must`` with nothing to resume, fewer epochs
+    than an unfinished checkpoint has trained) stops with its one line instead of failing in each restarted worker.
+
+    Raises:
+        StageError: as `resume_decision`; missing meta files.
+    """
+    from detpipe.data.meta import read_cache_meta_bytes
+
+    if cfg.resume == "never":
+        return
+    arrow_meta = Path(arrow_meta)
+    if not arrow_meta.is_file():
+        return  # the launcher's input checks name it
+    fp = fingerprint(cfg, read_cache_meta_bytes(cfg.cache_url or str(cache_dir)), arrow_meta.read_bytes())
+    resume_decision(cfg.resume, fp, ckpt_dir, schedule_params(cfg))

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
-import json
 import logging
 import os
 import random
@@ -26,8 +25,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from detpipe import params as params_mod
-from detpipe.engine.checkpoints import (FORMAT, find_resume_state, list_checkpoints, resume_decision, rng_state,
-                                       save_atomic, schedule_changes, set_rng_state)
+from detpipe.engine.checkpoints import (FORMAT, find_resume_state, fingerprint, list_checkpoints, rng_state,
+                                       save_atomic, schedule_changes, schedule_params, set_rng_state)
 from detpipe.data.dataset import CachedDetectionDataset, ResumableDistributedSampler, micro_batches, uses_masks
 from detpipe.data.meta import read_meta
 from detpipe.engine.distributed import setup_distributed
@@ -41,49 +40,6 @@ from detpipe.warm_start import is_warm_start, materialise_weights, warm_start_pa
 from detpipe.paths import ARROW_META, CACHE_DIR, CKPT_DIR, LIVE_DIR, MODEL as MODEL_OUT, TRAIN_BATCH_PLOT
 
 log = logging.getLogger("detpipe.engine.trainer")
-
-
-# Params that do not change the result of training: a checkpoint made with other values resumes.
-_NOT_IN_FINGERPRINT = {"resume", "final", "keep_last", "checkpoint_every", "num_workers", "threads", "log_every",
-                       "eval_every", "log_every_s", "cache_url", "cache_local_dir",
-                       "cache_local_bytes"} | params_mod.LAUNCH_ONLY
-
-
-def fingerprint(cfg: params_mod.Train, cache_meta: bytes, arrow_meta: bytes) -> str:
-    """Which training a checkpoint belongs to: sha256 (hex) over the training params that affect the result, except
-    the schedule keys (`detpipe.params.SCHEDULE`: a checkpoint with other values of those is the same training,
-    continued with another schedule: `schedule_params`), and the data's meta files (bytes)."""
-    relevant = {k: v for k, v in cfg.model_dump().items()
-                if k not in _NOT_IN_FINGERPRINT and k not in params_mod.SCHEDULE}
-    h = hashlib.sha256(json.dumps(relevant, sort_keys=True).encode())
-    h.update(cache_meta)
-    h.update(arrow_meta)
-    return h.hexdigest()
-
-
-def schedule_params(cfg: params_mod.Train) -> dict:
-    """The schedule keys of ``cfg`` (`detpipe.params.SCHEDULE`) and their values, as a checkpoint stores them."""
-    return {k: v for k, v in cfg.model_dump().items() if k in params_mod.SCHEDULE}
-
-
-def check_resume(cfg: params_mod.Train, cache_dir: Path = CACHE_DIR, arrow_meta: Path = ARROW_META,
-                 ckpt_dir: Path = CKPT_DIR) -> None:
-    """The launcher's check of ``train.resume`` against ``ckpt_dir`` (`resume_decision`, nothing changed there),
-    before any worker starts: a run that every worker would refuse (``must`` with nothing to resume, fewer epochs
-    than an unfinished checkpoint has trained) stops with its one line instead of failing in each restarted worker.
-
-    Raises:
-        StageError: as `detpipe.engine.checkpoints.resume_decision`; missing meta files.
-    """
-    from detpipe.data.meta import read_cache_meta_bytes
-
-    if cfg.resume == "never":
-        return
-    arrow_meta = Path(arrow_meta)
-    if not arrow_meta.is_file():
-        return  # the launcher's input checks name it
-    fp = fingerprint(cfg, read_cache_meta_bytes(cfg.cache_url or str(cache_dir)), arrow_meta.read_bytes())
-    resume_decision(cfg.resume, fp, ckpt_dir, schedule_params(cfg))
 
 
 class Trainer(TrainerBase):
