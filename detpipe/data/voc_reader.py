@@ -114,7 +114,7 @@ def detect(raw_root: Path) -> Path | None:
     if not (folder.is_dir() and (raw_root / IMAGES).is_dir()):
         return None
     with os.scandir(folder) as it:
-        if any(e.name.lower().endswith(".xml") and e.is_file() for e in it):
+        if any(e.name.endswith(".xml") and e.is_file() for e in it):
             return folder
     return None
 
