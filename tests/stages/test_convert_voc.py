@@ -29,8 +29,7 @@ N_TRAIN, N_VAL = 10, 4
 
 
 def params(**kw) -> Convert:
-    base = dict(format="voc", annotations=ANN, images="train2017", val_fraction=0.0, seed=0, shard_mb=64,
-                strict=False, workers=0)
+    base = dict(format="voc", val_fraction=0.0, seed=0, shard_mb=64, strict=False, workers=0)   # no COCO files
     base.update(kw)
     return Convert(**base)
 
@@ -433,7 +432,7 @@ def test_cli_voc_error_is_one_line(dataset, tmp_path):
 
     raw = voc_copy(dataset, tmp_path / "data" / "raw")
     conf = yaml.safe_load((REPO / "params.yaml").read_text())
-    conf["convert"].update({"format": "voc", "workers": 1})
+    conf["convert"].update({"format": "voc", "workers": 1, "annotations": None, "images": None})
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(conf))
     env = dict(os.environ, PYTHONPATH=str(REPO))
     cmd = [sys.executable, "-m", "stages.convert"]
