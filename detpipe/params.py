@@ -91,7 +91,7 @@ class Download(_Section):
 
 
 class Convert(_Section):
-    format: Literal["coco", "yolo", "auto"] = Field(default="coco", description="Dataset format in data/raw: coco (annotations + images), yolo (data.yaml with names, train, val; Ultralytics layout, see docs/convert.md), auto (yolo if data/raw holds a data.yaml with names, coco if the annotations JSON exists; both or neither is an error).")
+    format: Literal["coco", "yolo", "voc", "auto"] = Field(default="coco", description="Dataset format in data/raw: coco (annotations + images), yolo (data.yaml with names, train, val; Ultralytics layout, see docs/convert.md), voc (Pascal VOC: Annotations/*.xml, JPEGImages/, optional ImageSets/Main/{train,val,trainval}.txt), auto (the format whose files data/raw holds: a data.yaml with names, Annotations/*.xml beside JPEGImages/, the annotations JSON; several or none is an error).")
     annotations: Optional[str] = Field(default=None, description='COCO instances JSON, relative to data/raw (required for format coco; auto looks for it; other formats ignore it).')
     images: Optional[str] = Field(default=None, description='Image folder of that JSON, relative to data/raw (required for format coco).')
     val_annotations: Optional[str] = Field(default=None, description='Separate val/test JSON relative to data/raw (its own image-id space); null = split the train file by val_fraction.')

@@ -3,7 +3,7 @@ stage's work (`convert`, explicit paths, no dependence on the working directory;
 calls it with params section ``convert``, reading ``data/raw`` and writing ``data/arrow``).
 
 Formats (``convert.format``): ``coco`` (below); the formats of `READERS` (``yolo``:
-`detpipe.data.yolo_reader`), each translated into COCO files in the output's scratch folder, which the COCO path
+`detpipe.data.yolo_reader`; ``voc``: `detpipe.data.voc_reader`), each translated into COCO files in the output's scratch folder, which the COCO path
 below then reads: same rules, report and rows; ``meta.json``/``report.json`` gain ``"format": "<name>"`` and
 report.json a ``<name>`` section; ``auto`` (`detect_format`, logged).
 
@@ -107,7 +107,7 @@ from detpipe.data.coco_schema import Report
 from detpipe.data.cocoarrow import (SCHEMA, ShardResult, convert_shard, plan_shards, write_leak_check)
 from detpipe.data.imageio import inspect_image
 from detpipe.data.label_stats import LabelStats, write_label_plots
-from detpipe.data import translate, yolo_reader
+from detpipe.data import translate, voc_reader, yolo_reader
 from detpipe.errors import StageError
 from detpipe.files import atomic_dir
 from detpipe.params import Convert
@@ -118,7 +118,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["convert", "split_ids", "inspect_image", "SCHEMA", "READERS", "detect_format"]
 
-READERS = {"yolo": yolo_reader}
+READERS = {"yolo": yolo_reader, "voc": voc_reader}
 """``convert.format`` -> the module that reads it (`detpipe.data.translate`'s reader interface)."""
 
 
@@ -257,7 +257,8 @@ def convert(raw_root: Path | str, out_dir: Path | str, params: Convert, *, progr
 
     Args:
         raw_root: folder that ``params.annotations``/``images``/``val_annotations``/``val_images`` are relative to
-            (``params.format`` yolo: the folder holding ``data.yaml``; see `detpipe.data.yolo_reader`).
+            (``params.format`` yolo: the folder holding ``data.yaml``, see `detpipe.data.yolo_reader`; voc: the
+            folder holding ``Annotations/`` and ``JPEGImages/``, see `detpipe.data.voc_reader`).
         out_dir: output folder (replaced atomically: on any error it is left as it was).
         params: the ``convert`` params section.
         progress: show the progress in images (`detpipe.progress.Progress`: a bar on a terminal, a log line every

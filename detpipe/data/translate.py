@@ -28,7 +28,9 @@ class Translated:
     """What `CocoWriter` wrote for one split: the COCO file, and per annotation id (1..m, index id - 1) the source
     file (``files[ann_file[id - 1]]``, relative to raw_root, passed through ``file_of``) and record number
     (``ann_record``: a line for YOLO, the object's 1-based position in its file for the XML/JSON formats, named by
-    ``record_word``), for naming findings; ``class_counts``: category id -> annotations written."""
+    ``record_word``), for naming findings; ``class_counts``: category id -> annotations written; ``image_file``
+    (formats with one annotation file per image, filled by the reader): per image id (index id - 1) the index into
+    ``files`` of the file that named the image, so that findings about the image name that file."""
     json_path: Path
     source: str = ""            # how messages name the split: "<data.yaml> ('val' images)"
     files: list[str] = dataclasses.field(default_factory=list)
@@ -37,6 +39,7 @@ class Translated:
     ann_file: array.array = dataclasses.field(default_factory=lambda: array.array("q"))
     ann_record: array.array = dataclasses.field(default_factory=lambda: array.array("i"))
     class_counts: dict[int, int] = dataclasses.field(default_factory=dict)
+    image_file: array.array | None = None   # None: findings about an image keep naming the image file
 
     def where(self, ann_id: int) -> tuple[str, str] | None:
         """``(source file relative to raw_root, "line 3")`` of annotation ``ann_id``, or None."""
@@ -115,22 +118,36 @@ class CocoWriter:
 
 
 _ANN = re.compile(r"^annotation id (\d+) \(image id (\d+)\)$")
+_IMAGE = re.compile(r"^image id (\d+)$")
 
 
 def rename_findings(rules: dict, translated: dict[str, Translated], raw_root: Path) -> None:
     """In ``rules`` (report.json's), replace each example's generated-COCO file with the source file and record it
-    came from (``file``: ``.../labels/x.txt``, ``record``: ``line 3 (image id 2)``)."""
+    came from (``file``: ``.../labels/x.txt``, ``record``: ``line 3 (image id 2)``). Findings about an image
+    (``record``: ``image id 2``) of a split whose `Translated` has ``image_file`` name that annotation file instead
+    of the image, the image going into the detail (``image <path>: file not found; ...``)."""
     by_path = {str(t.json_path): t for t in translated.values()}
     for rule in rules.values():
         for ex in rule["examples"]:
             t = by_path.get(ex.get("file"))
             m = _ANN.match(ex.get("record", ""))
             if t is None or m is None:
+                _rename_image_finding(ex, translated, raw_root)
                 continue
             where = t.where(int(m.group(1)))
             if where is not None:
                 ex["file"] = str(raw_root / where[0])
                 ex["record"] = f"{where[1]} (image id {m.group(2)})"
+
+
+def _rename_image_finding(ex: dict, translated: dict[str, Translated], raw_root: Path) -> None:
+    m = _IMAGE.match(ex.get("record", ""))
+    t = translated.get(ex.get("split")) if "val" in translated else translated.get("train")  # val_fraction: train's
+    if m is None or t is None or t.image_file is None or not 1 <= int(m.group(1)) <= len(t.image_file):
+        return
+    source = raw_root / t.file_of(t.files[t.image_file[int(m.group(1)) - 1]])
+    ex["detail"] = f"image {ex['file']}: " + ex["detail"].replace("JSON says", "the annotation file says")
+    ex["file"] = str(source)
 
 
 def rename_error(msg: str, translated: dict[str, Translated], raw_root: Path) -> str:
