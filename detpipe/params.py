@@ -91,7 +91,7 @@ class Download(_Section):
 
 
 class Convert(_Section):
-    format: Literal["coco", "yolo", "labelme", "auto"] = Field(default="coco", description="Dataset format in data/raw: coco (annotations + images), yolo (data.yaml with names, train, val; Ultralytics layout), labelme (one LabelMe JSON per image; train/ and val/ folders or val_fraction); see docs/convert.md. auto: the format whose marker is found (yolo: a data.yaml with names; labelme: a JSON with shapes and imagePath; coco: the annotations JSON); several or none is an error.")
+    format: Literal["coco", "yolo", "labelme", "cvat", "auto"] = Field(default="coco", description="Dataset format in data/raw: coco (annotations + images), yolo (data.yaml with names, train, val; Ultralytics layout), labelme (one LabelMe JSON per image; train/ and val/ folders or val_fraction), cvat (annotations.xml, CVAT for images 1.1, images under images/); see docs/convert.md. auto: the format whose marker is found (yolo: a data.yaml with names; labelme: a JSON with shapes and imagePath; cvat: annotations.xml; coco: the annotations JSON); several or none is an error.")
     annotations: str = Field(description='COCO instances JSON, relative to data/raw.')
     images: str = Field(description='Image folder of that JSON, relative to data/raw.')
     val_annotations: Optional[str] = Field(default=None, description='Separate val/test JSON relative to data/raw (its own image-id space); null = split the train file by val_fraction.')

@@ -3,7 +3,7 @@ stage's work (`convert`, explicit paths, no dependence on the working directory;
 calls it with params section ``convert``, reading ``data/raw`` and writing ``data/arrow``).
 
 Formats (``convert.format``): ``coco`` (below); the formats of `READERS` (``yolo``:
-`detpipe.data.yolo_reader`; ``labelme``: `detpipe.data.labelme_reader`),
+`detpipe.data.yolo_reader`; ``labelme``: `detpipe.data.labelme_reader`; ``cvat``: `detpipe.data.cvat_reader`),
 each translated into COCO files in the output's scratch folder, which the COCO path below then reads: same rules,
 report and rows; ``meta.json``/``report.json`` gain ``"format": "<name>"`` and report.json a ``<name>`` section;
 ``auto`` (`detect_format`, logged).
@@ -108,7 +108,7 @@ from detpipe.data.coco_schema import Report
 from detpipe.data.cocoarrow import (SCHEMA, ShardResult, convert_shard, plan_shards, write_leak_check)
 from detpipe.data.imageio import inspect_image
 from detpipe.data.label_stats import LabelStats, write_label_plots
-from detpipe.data import labelme_reader, translate, yolo_reader
+from detpipe.data import cvat_reader, labelme_reader, translate, yolo_reader
 from detpipe.errors import StageError
 from detpipe.files import atomic_dir
 from detpipe.params import Convert
@@ -119,7 +119,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["convert", "split_ids", "inspect_image", "SCHEMA", "READERS", "detect_format"]
 
-READERS = {"yolo": yolo_reader, "labelme": labelme_reader}
+READERS = {"yolo": yolo_reader, "labelme": labelme_reader, "cvat": cvat_reader}
 """``convert.format`` -> the module that reads it (`detpipe.data.translate`'s reader interface)."""
 
 
