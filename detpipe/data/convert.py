@@ -3,9 +3,10 @@ stage's work (`convert`, explicit paths, no dependence on the working directory;
 calls it with params section ``convert``, reading ``data/raw`` and writing ``data/arrow``).
 
 Formats (``convert.format``): ``coco`` (below); the formats of `READERS` (``yolo``:
-`detpipe.data.yolo_reader`; ``voc``: `detpipe.data.voc_reader`), each translated into COCO files in the output's scratch folder, which the COCO path
-below then reads: same rules, report and rows; ``meta.json``/``report.json`` gain ``"format": "<name>"`` and
-report.json a ``<name>`` section; ``auto`` (`detect_format`, logged).
+`detpipe.data.yolo_reader`; ``voc``: `detpipe.data.voc_reader`; ``labelme``: `detpipe.data.labelme_reader`;
+``cvat``: `detpipe.data.cvat_reader`), each translated into COCO files in the output's scratch folder, which the
+COCO path below then reads: same rules, report and rows; ``meta.json``/``report.json`` gain ``"format": "<name>"``
+and report.json a ``<name>`` section; ``auto`` (`detect_format`, logged).
 
 Output (written into a temporary folder beside ``data/arrow`` and renamed at the end, so a failed or
 interrupted run leaves the previous output untouched and no half-written shard)::
@@ -107,7 +108,7 @@ from detpipe.data.coco_schema import Report
 from detpipe.data.cocoarrow import (SCHEMA, ShardResult, convert_shard, plan_shards, write_leak_check)
 from detpipe.data.imageio import inspect_image
 from detpipe.data.label_stats import LabelStats, write_label_plots
-from detpipe.data import translate, voc_reader, yolo_reader
+from detpipe.data import cvat_reader, labelme_reader, translate, voc_reader, yolo_reader
 from detpipe.errors import StageError
 from detpipe.files import atomic_dir
 from detpipe.params import Convert
@@ -118,7 +119,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["convert", "split_ids", "inspect_image", "SCHEMA", "READERS", "detect_format"]
 
-READERS = {"yolo": yolo_reader, "voc": voc_reader}
+READERS = {"yolo": yolo_reader, "voc": voc_reader, "labelme": labelme_reader, "cvat": cvat_reader}
 """``convert.format`` -> the module that reads it (`detpipe.data.translate`'s reader interface)."""
 
 
