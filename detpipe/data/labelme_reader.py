@@ -71,6 +71,7 @@ the category ids are known before any annotation is written).
 """
 from __future__ import annotations
 
+import array
 import dataclasses
 import logging
 import math
@@ -374,7 +375,7 @@ def to_coco(raw_root: Path, files: list[str], split: str, cat: dict[str, int], o
     Raises:
         StageError: see `parse_file` and `image_rel`.
     """
-    t = Translated(out, f"{raw_root} (LabelMe '{split}' files)", files, str, "shape")
+    t = Translated(out, f"{raw_root} (LabelMe '{split}' files)", files, str, "shape", image_file=array.array("q"))
     writer = CocoWriter(t)
     for k, rel in enumerate(files):
         path = raw_root / rel
@@ -385,6 +386,7 @@ def to_coco(raw_root: Path, files: list[str], split: str, cat: dict[str, int], o
             continue
         image = image_rel(rel, doc.image_path, str(path))
         image_id = writer.image(image, doc.width, doc.height)
+        t.image_file.append(k)          # findings about the image name its LabelMe file
         fix = displayed_fix(raw_root / image, doc.width, doc.height)
         if doc.image_data:
             section["image_data_not_decoded"] = section.get("image_data_not_decoded", 0) + 1

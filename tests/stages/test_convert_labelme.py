@@ -312,7 +312,7 @@ def test_image_path_outside_raw(dataset, tmp_path):
 
 def test_size_mismatch_and_image_data(dataset, tmp_path):
     """imageWidth/imageHeight that the file does not have: the COCO rule ``image_size_mismatch`` (dropped with its
-    objects); ``imageData`` is never decoded (counted), the image is read from imagePath."""
+    objects), the finding naming the LabelMe file; ``imageData`` is never decoded (counted), the image is read from imagePath."""
     raw = lm_copy(dataset, tmp_path / "raw")
     path = _first_json(raw)
     _edit(path, lambda d: d.update(imageWidth=d["imageWidth"] + 1))
@@ -320,8 +320,10 @@ def test_size_mismatch_and_image_data(dataset, tmp_path):
     _edit(other, lambda d: d.update(imageData="bm90IGFuIGltYWdl"))
     res = convert(raw, tmp_path / "arrow", params(), progress=False)
     assert res["report"]["rules"]["image_size_mismatch"]["count"] == 1
-    assert res["report"]["rules"]["image_size_mismatch"]["examples"][0]["file"].endswith(
-        json.loads(path.read_text())["imagePath"])
+    example = res["report"]["rules"]["image_size_mismatch"]["examples"][0]
+    assert example["file"] == str(path)            # the LabelMe file that gave the size, the image in the detail
+    assert json.loads(path.read_text())["imagePath"] in example["detail"]
+    assert "the annotation file says" in example["detail"], example
     assert res["meta"]["splits"]["train"]["images"] == N_TRAIN - 1
     assert res["report"]["labelme"]["image_data_not_decoded"] == 1
 
