@@ -364,3 +364,43 @@ def test_val_same_as_train_is_a_named_error(dataset, tmp_path):
     with pytest.raises(StageError, match=r"data.yaml \('val' images\): no usable images in the val split .*"
                                          r"val_image_in_train=10"):
         convert(raw, tmp_path / "arrow", params(), progress=False)
+
+
+@pytest.mark.slow
+def test_coco128_as_yolo_matches_the_coco_path(tmp_path):
+    """All of COCO128 written as YOLO by globox (one train folder, ``names`` in COCO id order; the layout the README's
+    ``dvc repro`` from a YOLO copy uses, docs/convert.md) and converted with params.yaml's convert section and
+    ``format: yolo``: the same images in the same order per split as the COCO path (the val_fraction split, since the
+    file stems sort as the COCO ids do), image bytes equal, every box within 0.5 px of the COCO path's, the same
+    training labels and class names; only the COCO crowd regions differ (YOLO has no crowd flag: iscrowd 0)."""
+    from globox import AnnotationSet
+
+    conf = yaml.safe_load((REPO / "params.yaml").read_text())["convert"]
+    res_c = convert(COCO, tmp_path / "arrow_coco", Convert(**{**conf, "format": "coco"}), progress=False)
+    src = json.loads((COCO / ANN).read_text())
+    names = [c["name"] for c in sorted(src["categories"], key=lambda c: c["id"])]
+    raw = tmp_path / "raw"
+    (raw / "labels").mkdir(parents=True)
+    shutil.copytree(COCO / "train2017", raw / "images" / "train2017")
+    AnnotationSet.from_coco(COCO / ANN).save_yolo_v5(raw / "labels" / "train2017",
+                                                     label_to_id={n: i for i, n in enumerate(names)})
+    (raw / "data.yaml").write_text(yaml.safe_dump({"train": "images/train2017", "names": names}))
+    res_y = convert(raw, tmp_path / "arrow_yolo", Convert(**{**conf, "format": "yolo"}), progress=False)
+    meta_c, meta_y = res_c["meta"], res_y["meta"]
+    assert meta_y["label_names"] == meta_c["label_names"]
+    worst, boxes, crowd = 0.0, 0, 0
+    for split in ("train", "val"):
+        rows_y, rows_c = read_rows(tmp_path / "arrow_yolo", split), read_rows(tmp_path / "arrow_coco", split)
+        assert [Path(r["file_name"]).name for r in rows_y] == [Path(r["file_name"]).name for r in rows_c]
+        for ry, rc in zip(rows_y, rows_c):
+            assert ry["image"] == rc["image"] and (ry["width"], ry["height"]) == (rc["width"], rc["height"])
+            assert list(ry["label"]) == list(rc["label"])
+            assert [names[c] for c in ry["category_id"]] == [meta_c["label_names"][lab] for lab in rc["label"]]
+            for a, b in zip(ry["bbox"], rc["bbox"]):
+                worst = max(worst, max(abs(u - v) for u, v in zip(a, b)))
+            boxes += len(ry["bbox"])
+            crowd += sum(int(u != v) for u, v in zip(ry["iscrowd"], rc["iscrowd"]))
+            assert not any(ry["iscrowd"])
+    print(f"COCO128 as YOLO: {boxes} boxes, max |ours - COCO path| = {worst:.2e} px; iscrowd differs on {crowd}")
+    assert boxes == sum(meta_c["splits"][s]["annotations"] for s in ("train", "val")) and worst <= 0.5
+    assert crowd == 10
