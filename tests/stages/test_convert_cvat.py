@@ -23,26 +23,15 @@ from detpipe.data import cvat_reader
 from detpipe.data.convert import convert
 from detpipe.errors import StageError
 from detpipe.params import Convert
+from support import formats
+from support.formats import COCO, N_TRAIN, N_VAL, coco_copy
 from support.pipeline import read_rows
 
-REPO = Path(__file__).resolve().parents[2]
-COCO = REPO / "data" / "coco128"
-ANN = "annotations/instances_train2017.json"
-N_TRAIN, N_VAL = 10, 4
 SUBSET = {"train": "Train", "val": "Validation"}
 
 
 def params(**kw) -> Convert:
-    base = dict(format="cvat", annotations=ANN, images="train2017", val_fraction=0.0, seed=0, shard_mb=64,
-                strict=False, workers=0)
-    base.update(kw)
-    return Convert(**base)
-
-
-def _subset(images: list[dict], src: dict) -> dict:
-    ids = {im["id"] for im in images}
-    return {"info": {}, "categories": src["categories"], "images": images,
-            "annotations": [a for a in src["annotations"] if a["image_id"] in ids]}
+    return formats.params("cvat", **kw)
 
 
 def _cvat_file(globox_files: dict[str, Path], names: list[str], dest: Path) -> None:
@@ -69,18 +58,15 @@ def dataset(tmp_path_factory) -> dict:
     from globox import AnnotationSet
 
     root = tmp_path_factory.mktemp("cvat")
-    src = json.loads((COCO / ANN).read_text())
-    images = sorted(src["images"], key=lambda im: im["id"])[:N_TRAIN + N_VAL]
-    parts = {"train": _subset(images[:N_TRAIN], src), "val": _subset(images[N_TRAIN:], src)}
-    coco_raw, cvat_raw = root / "raw_coco", root / "raw_cvat"
+    base = coco_copy(root)
+    src, parts = base["src"], base["parts"]
+    coco_raw = base["coco_raw"]
+    cvat_raw = root / "raw_cvat"
     (cvat_raw / "images").mkdir(parents=True)
     globox_files = {}
     for split, data in parts.items():
-        (coco_raw / split).mkdir(parents=True)
         for im in data["images"]:
-            shutil.copyfile(COCO / "train2017" / im["file_name"], coco_raw / split / im["file_name"])
             shutil.copyfile(COCO / "train2017" / im["file_name"], cvat_raw / "images" / im["file_name"])
-        (coco_raw / f"{split}.json").write_text(json.dumps(data))
         globox_files[split] = root / f"globox_{split}.xml"
         AnnotationSet.from_coco(coco_raw / f"{split}.json").save_cvat(globox_files[split])
     names = [c["name"] for c in sorted(src["categories"], key=lambda c: c["id"])]
@@ -107,9 +93,7 @@ def _save(tree: ET.ElementTree, raw: Path) -> Path:
 def converted(dataset) -> dict:
     root = dataset["root"]
     res_x = convert(dataset["cvat_raw"], root / "arrow_cvat", params(), progress=False)
-    res_c = convert(dataset["coco_raw"], root / "arrow_coco",
-                    params(format="coco", annotations="train.json", images="train", val_annotations="val.json",
-                           val_images="val"), progress=False)
+    res_c = formats.convert_coco_copy(dataset["coco_raw"], root / "arrow_coco", "cvat")
     return {"cvat": res_x, "coco": res_c, "out": root / "arrow_cvat", "coco_out": root / "arrow_coco"}
 
 

@@ -19,25 +19,14 @@ from detpipe.data import labelme_reader
 from detpipe.data.convert import convert
 from detpipe.errors import StageError
 from detpipe.params import Convert
+from support import formats
+from support.formats import COCO, N_TRAIN, N_VAL, REPO, coco_copy
 from support.pipeline import read_rows
 
-REPO = Path(__file__).resolve().parents[2]
-COCO = REPO / "data" / "coco128"
-ANN = "annotations/instances_train2017.json"
-N_TRAIN, N_VAL = 10, 4
 
 
 def params(**kw) -> Convert:
-    base = dict(format="labelme", annotations=ANN, images="train2017", val_fraction=0.0, seed=0, shard_mb=64,
-                strict=False, workers=0)
-    base.update(kw)
-    return Convert(**base)
-
-
-def _subset(images: list[dict], src: dict) -> dict:
-    ids = {im["id"] for im in images}
-    return {"info": {}, "categories": src["categories"], "images": images,
-            "annotations": [a for a in src["annotations"] if a["image_id"] in ids]}
+    return formats.params("labelme", **kw)
 
 
 @pytest.fixture(scope="module")
@@ -47,17 +36,14 @@ def dataset(tmp_path_factory) -> dict:
     from globox import AnnotationSet
 
     root = tmp_path_factory.mktemp("labelme")
-    src = json.loads((COCO / ANN).read_text())
-    images = sorted(src["images"], key=lambda im: im["id"])[:N_TRAIN + N_VAL]
-    parts = {"train": _subset(images[:N_TRAIN], src), "val": _subset(images[N_TRAIN:], src)}
-    coco_raw, lm_raw = root / "raw_coco", root / "raw_labelme"
+    base = coco_copy(root)
+    src, parts = base["src"], base["parts"]
+    coco_raw = base["coco_raw"]
+    lm_raw = root / "raw_labelme"
     for split, data in parts.items():
-        (coco_raw / split).mkdir(parents=True)
         (lm_raw / split).mkdir(parents=True)
         for im in data["images"]:
-            shutil.copyfile(COCO / "train2017" / im["file_name"], coco_raw / split / im["file_name"])
             shutil.copyfile(COCO / "train2017" / im["file_name"], lm_raw / split / im["file_name"])
-        (coco_raw / f"{split}.json").write_text(json.dumps(data))
         AnnotationSet.from_coco(coco_raw / f"{split}.json").save_labelme(lm_raw / split)
     names = {c["id"]: c["name"] for c in src["categories"]}
     return {"root": root, "coco_raw": coco_raw, "lm_raw": lm_raw, "parts": parts, "names": names}
@@ -82,9 +68,7 @@ def _edit(path: Path, fn) -> None:
 def converted(dataset) -> dict:
     root = dataset["root"]
     res_l = convert(dataset["lm_raw"], root / "arrow_labelme", params(), progress=False)
-    res_c = convert(dataset["coco_raw"], root / "arrow_coco",
-                    params(format="coco", annotations="train.json", images="train", val_annotations="val.json",
-                           val_images="val"), progress=False)
+    res_c = formats.convert_coco_copy(dataset["coco_raw"], root / "arrow_coco", "labelme")
     return {"labelme": res_l, "coco": res_c, "out": root / "arrow_labelme", "coco_out": root / "arrow_coco"}
 
 

@@ -20,24 +20,14 @@ import yaml
 from detpipe.data.convert import convert
 from detpipe.errors import StageError
 from detpipe.params import Convert
+from support import formats
+from support.formats import ANN, COCO, N_TRAIN, N_VAL, REPO, coco_copy, subset
 from support.pipeline import read_rows
 
-REPO = Path(__file__).resolve().parents[2]
-COCO = REPO / "data" / "coco128"
-ANN = "annotations/instances_train2017.json"
-N_TRAIN, N_VAL = 10, 4
 
 
 def params(**kw) -> Convert:
-    base = dict(format="voc", val_fraction=0.0, seed=0, shard_mb=64, strict=False, workers=0)   # no COCO files
-    base.update(kw)
-    return Convert(**base)
-
-
-def _subset(images: list[dict], src: dict) -> dict:
-    ids = {im["id"] for im in images}
-    return {"info": {}, "categories": src["categories"], "images": images,
-            "annotations": [a for a in src["annotations"] if a["image_id"] in ids]}
+    return formats.params("voc", **kw)
 
 
 def write_voc(coco_json: Path, raw: Path, images_dir: Path, splits: dict[str, list[str]] | None) -> None:
@@ -61,16 +51,11 @@ def dataset(tmp_path_factory) -> dict:
     """COCO128's first 14 images (by id): a COCO copy (train 10 / val 4 as two files) and a VOC copy written by
     globox (``raw_voc``: JPEGImages, Annotations, ImageSets/Main/{train,val}.txt)."""
     root = tmp_path_factory.mktemp("voc")
-    src = json.loads((COCO / ANN).read_text())
-    images = sorted(src["images"], key=lambda im: im["id"])[:N_TRAIN + N_VAL]
-    parts = {"train": _subset(images[:N_TRAIN], src), "val": _subset(images[N_TRAIN:], src)}
-    coco_raw, voc_raw = root / "raw_coco", root / "raw_voc"
-    for split, data in parts.items():
-        (coco_raw / split).mkdir(parents=True)
-        for im in data["images"]:
-            shutil.copyfile(COCO / "train2017" / im["file_name"], coco_raw / split / im["file_name"])
-        (coco_raw / f"{split}.json").write_text(json.dumps(data))
-    (root / "all.json").write_text(json.dumps(_subset(images, src)))
+    base = coco_copy(root)
+    src, images, parts = base["src"], base["images"], base["parts"]
+    coco_raw = base["coco_raw"]
+    voc_raw = root / "raw_voc"
+    (root / "all.json").write_text(json.dumps(subset(images, src)))
     write_voc(root / "all.json", voc_raw, COCO / "train2017",
               {s: [im["file_name"] for im in parts[s]["images"]] for s in parts})
     names = {c["id"]: c["name"] for c in src["categories"]}
@@ -87,9 +72,7 @@ def converted(dataset) -> dict:
     """Both copies converted: ``{"voc": result, "coco": result, "voc_out": path, "coco_out": path}``."""
     root = dataset["root"]
     res_v = convert(dataset["voc_raw"], root / "arrow_voc", params(), progress=False)
-    res_c = convert(dataset["coco_raw"], root / "arrow_coco",
-                    params(format="coco", annotations="train.json", images="train", val_annotations="val.json",
-                           val_images="val"), progress=False)
+    res_c = formats.convert_coco_copy(dataset["coco_raw"], root / "arrow_coco", "voc")
     return {"voc": res_v, "coco": res_c, "voc_out": root / "arrow_voc", "coco_out": root / "arrow_coco"}
 
 

@@ -13,25 +13,14 @@ import yaml
 from detpipe.data.convert import convert
 from detpipe.errors import StageError
 from detpipe.params import Convert
+from support import formats
+from support.formats import ANN, COCO, N_TRAIN, N_VAL, REPO, coco_copy
 from support.pipeline import read_rows
 
-REPO = Path(__file__).resolve().parents[2]
-COCO = REPO / "data" / "coco128"
-ANN = "annotations/instances_train2017.json"
-N_TRAIN, N_VAL = 10, 4
 
 
 def params(**kw) -> Convert:
-    base = dict(format="yolo", annotations=ANN, images="train2017", val_fraction=0.0, seed=0, shard_mb=64,
-                strict=False, workers=0)
-    base.update(kw)
-    return Convert(**base)
-
-
-def _subset(images: list[dict], src: dict) -> dict:
-    ids = {im["id"] for im in images}
-    return {"info": {}, "categories": src["categories"], "images": images,
-            "annotations": [a for a in src["annotations"] if a["image_id"] in ids]}
+    return formats.params("yolo", **kw)
 
 
 @pytest.fixture(scope="module")
@@ -41,19 +30,16 @@ def dataset(tmp_path_factory) -> dict:
     from globox import AnnotationSet
 
     root = tmp_path_factory.mktemp("yolo")
-    src = json.loads((COCO / ANN).read_text())
-    images = sorted(src["images"], key=lambda im: im["id"])[:N_TRAIN + N_VAL]
-    parts = {"train": _subset(images[:N_TRAIN], src), "val": _subset(images[N_TRAIN:], src)}
+    base = coco_copy(root)
+    src, parts = base["src"], base["parts"]
     names = [c["name"] for c in sorted(src["categories"], key=lambda c: c["id"])]
-    coco_raw, yolo_raw = root / "raw_coco", root / "raw_yolo"
+    coco_raw = base["coco_raw"]
+    yolo_raw = root / "raw_yolo"
     for split, data in parts.items():
-        (coco_raw / split).mkdir(parents=True)
         (yolo_raw / "images" / split).mkdir(parents=True)
         (yolo_raw / "labels").mkdir(exist_ok=True)
         for im in data["images"]:
-            shutil.copyfile(COCO / "train2017" / im["file_name"], coco_raw / split / im["file_name"])
             shutil.copyfile(COCO / "train2017" / im["file_name"], yolo_raw / "images" / split / im["file_name"])
-        (coco_raw / f"{split}.json").write_text(json.dumps(data))
         gt = AnnotationSet.from_coco(coco_raw / f"{split}.json")
         gt.save_yolo_v5(yolo_raw / "labels" / split, label_to_id={n: i for i, n in enumerate(names)})
     (yolo_raw / "data.yaml").write_text(yaml.safe_dump({"path": ".", "train": "images/train", "val": "images/val",
@@ -71,9 +57,7 @@ def converted(dataset) -> dict:
     """Both copies converted: ``{"yolo": result, "coco": result, "yolo_out": path, "coco_out": path}``."""
     root = dataset["root"]
     res_y = convert(dataset["yolo_raw"], root / "arrow_yolo", params(), progress=False)
-    res_c = convert(dataset["coco_raw"], root / "arrow_coco",
-                    params(format="coco", annotations="train.json", images="train", val_annotations="val.json",
-                           val_images="val"), progress=False)
+    res_c = formats.convert_coco_copy(dataset["coco_raw"], root / "arrow_coco", "yolo")
     return {"yolo": res_y, "coco": res_c, "yolo_out": root / "arrow_yolo", "coco_out": root / "arrow_coco"}
 
 
