@@ -85,37 +85,15 @@ def test_boxes_equal_globox_and_coco_path(dataset, converted):
     assert meta["label_names"] == ["__background__"] + used
     assert [c["id"] for c in meta["categories"]] == list(range(1, len(used) + 1))
     names = {c["id"]: c["name"] for c in meta["categories"]}
-    coco_meta = json.loads((converted["coco_out"] / "meta.json").read_text())
-    coco_names = {c["id"]: c["name"] for c in coco_meta["categories"]}
-    worst_globox = worst_coco = 0.0
-    n_boxes = 0
-    for split in ("train", "val"):
-        rows = read_rows(converted["out"], split)
-        coco_rows = {r["file_name"]: r for r in read_rows(converted["coco_out"], split)}
-        assert len(rows) == len(dataset["parts"][split]["images"]) == len(coco_rows)
-        back = AnnotationSet.from_labelme(dataset["lm_raw"] / split)
-        for row in rows:
-            name = Path(row["file_name"]).name
-            assert row["file_name"] == f"{split}/{name}"
-            ann = back[name]
-            assert (row["width"], row["height"]) == ann.image_size
-            assert len(row["bbox"]) == len(ann.boxes) > 0
-            for (x, y, w, h), cid, box in zip(row["bbox"], row["category_id"], ann.boxes):
-                assert box.label == names[cid]
-                gx0, gy0, gx1, gy1 = box.ltrb
-                gx0, gy0 = max(gx0, 0.0), max(gy0, 0.0)
-                gx1, gy1 = min(gx1, row["width"]), min(gy1, row["height"])
-                worst_globox = max(worst_globox, abs(x - gx0), abs(y - gy0), abs(x + w - gx1), abs(y + h - gy1))
-                n_boxes += 1
-            ref = coco_rows[name]
-            assert [coco_names[c] for c in ref["category_id"]] == [names[c] for c in row["category_id"]]
-            for a, b in zip(row["bbox"], ref["bbox"]):
-                worst_coco = max(worst_coco, max(abs(u - v) for u, v in zip(a, b)))
-    print(f"{n_boxes} boxes: max |ours - globox| = {worst_globox:.2e} px, max |ours - COCO path| = "
-          f"{worst_coco:.2e} px")
-    assert n_boxes > 50
-    assert worst_globox <= 1e-3
-    assert worst_coco <= 0.5
+    got = formats.compare_with_globox_and_coco(
+        converted["out"], converted["coco_out"], dataset["parts"],
+        lambda split: AnnotationSet.from_labelme(dataset["lm_raw"] / split),
+        lambda split, name: f"{split}/{name}", names.__getitem__, lambda box: box.label)
+    print(f"{got['boxes']} boxes: max |ours - globox| = {got['globox']:.2e} px, max |ours - COCO path| = "
+          f"{got['coco']:.2e} px")
+    assert got["boxes"] > 50
+    assert got["globox"] <= 1e-3
+    assert got["coco"] <= 0.5
 
 
 def test_report_same_rules_and_labelme_section(dataset, converted):

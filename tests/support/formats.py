@@ -49,3 +49,43 @@ def convert_coco_copy(coco_raw: Path, out: Path, fmt: str) -> dict:
     """`convert` of `coco_copy`'s folder with `params` (``fmt``'s test params, format coco and the two files)."""
     return convert(coco_raw, out, params(fmt, format="coco", annotations="train.json", images="train",
                                          val_annotations="val.json", val_images="val"), progress=False)
+
+
+def compare_with_globox_and_coco(out: Path, coco_out: Path, parts: dict, back, path_of, class_name, globox_name) \
+        -> dict:
+    """Row by row over both splits of a reader's output ``out``: each row's ``file_name`` is ``path_of(split,
+    name)``; its image size and box count equal globox's read-back (``back(split)[name]``, a globox
+    ``AnnotationSet``), and per object its class name (``class_name(category id)``) equals globox's
+    (``globox_name(box)``) and the COCO path's (``coco_out``, same image, same object order).
+
+    Returns ``{"boxes": n, "globox": largest |ours - globox's corners| px (clipped to the image, as the COCO rules
+    clip), "coco": largest |ours - the COCO path's box| px}``."""
+    from support.pipeline import read_rows
+
+    coco_names = {c["id"]: c["name"] for c in json.loads((coco_out / "meta.json").read_text())["categories"]}
+    worst_globox = worst_coco = 0.0
+    n_boxes = 0
+    for split in ("train", "val"):
+        rows = read_rows(out, split)
+        coco_rows = {r["file_name"]: r for r in read_rows(coco_out, split)}
+        assert len(rows) == len(parts[split]["images"]) == len(coco_rows)
+        annotations = back(split)
+        for row in rows:
+            name = Path(row["file_name"]).name
+            assert row["file_name"] == path_of(split, name)
+            ann = annotations[name]
+            assert (row["width"], row["height"]) == ann.image_size
+            assert len(row["bbox"]) == len(ann.boxes) > 0
+            for (x, y, w, h), cid, box in zip(row["bbox"], row["category_id"], ann.boxes):
+                assert globox_name(box) == class_name(cid)
+                gx0, gy0, gx1, gy1 = box.ltrb
+                gx0, gy0 = max(gx0, 0.0), max(gy0, 0.0)
+                gx1, gy1 = min(gx1, row["width"]), min(gy1, row["height"])
+                worst_globox = max(worst_globox, abs(x - gx0), abs(y - gy0), abs(x + w - gx1), abs(y + h - gy1))
+                n_boxes += 1
+            ref = coco_rows[name]
+            assert len(ref["bbox"]) == len(row["bbox"])
+            assert [coco_names[c] for c in ref["category_id"]] == [class_name(c) for c in row["category_id"]]
+            for a, b in zip(row["bbox"], ref["bbox"]):
+                worst_coco = max(worst_coco, max(abs(u - v) for u, v in zip(a, b)))
+    return {"boxes": n_boxes, "globox": worst_globox, "coco": worst_coco}
