@@ -1,5 +1,6 @@
 """Decode encoded image bytes the same way everywhere: EXIF orientation applied, converted to 8-bit RGB; and
-check them cheaply (`inspect_image`: JPEG at 1/8 scale) the way the convert stage validates images."""
+check them cheaply (`inspect_image`: JPEG at 1/8 scale) the way the convert stage validates images, optionally
+with the perceptual hashes of the small decode (`phash_pair`: the convert stage's near-duplicate leak check)."""
 from __future__ import annotations
 
 import dataclasses
@@ -61,7 +62,8 @@ class ImageInfo:
 
     ``width``/``height`` are the stored raster's pixels; ``orientation`` is the EXIF orientation that
     ``decode_rgb`` applies (1 = none); ``flags`` are report rules that apply (``grayscale``, ``cmyk``,
-    ``palette``, ``high_bit_depth``, ``alpha``).
+    ``palette``, ``high_bit_depth``, ``alpha``); ``phash`` the `phash_pair` (whole frame, central part) when asked
+    for.
     """
 
     format: str | None
@@ -70,6 +72,8 @@ class ImageInfo:
     height: int
     orientation: int
     flags: tuple[str, ...]
+    phash: tuple[int, int] | None = None
+    """`phash_pair` of the image (``inspect(..., phash=True)``), else None."""
 
     @property
     def display_size(self) -> tuple[int, int]:
@@ -81,8 +85,66 @@ class Unreadable(Exception):
     """The bytes are not a readable image (the message says why, without a file name)."""
 
 
-def inspect(data: bytes) -> ImageInfo:
-    """`inspect_image` raising `Unreadable` (no file name), for callers that count rather than stop."""
+#: EXIF orientation 2..8 -> the transposition that displays the stored raster (PIL.ImageOps.exif_transpose's table).
+_TRANSPOSE = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180, 4: Image.Transpose.FLIP_TOP_BOTTOM,
+              5: Image.Transpose.TRANSPOSE, 6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE,
+              8: Image.Transpose.ROTATE_90}
+
+PHASH_MARGIN = 0.05
+"""Share of the width and of the height cut from each side for `phash_pair`'s second hash (the central 90 % x 90 %
+of the frame): a copy cropped by about this much per side is then compared with the original's central part."""
+
+
+def phash64(image: Image.Image) -> int:
+    """ImageHash's ``phash`` of ``image`` (a well-kept library, `imagehash.phash`, hash_size 8: the image converted
+    to 8-bit grayscale, resized to 32 x 32 with Lanczos, 2-D DCT-II, the top-left 8 x 8 coefficients, each bit 1
+    where the coefficient exceeds their median: the DCT hash of hackerfactor.com's "Looks Like It", which
+    ImageHash cites) as one unsigned 64-bit integer: the 8 x 8 bits in row-major order, the first bit the most
+    significant. Near-duplicates are compared by the Hamming distance of two such integers (0..64; it is always even when
+    neither hash has coefficients equal to the median: each has 32 bits set).
+
+    Args:
+        image: a PIL image of any size and mode that converts to ``L``.
+    Returns:
+        int in [0, 2**64).
+    """
+    import imagehash
+
+    bits = imagehash.phash(image).hash                     # (8, 8) bool
+    return int.from_bytes(np.packbits(bits.ravel()).tobytes(), "big")
+
+
+def preload_phash() -> None:
+    """Import ImageHash and the SciPy DCT its ``phash`` uses (~0.4 s and ~30 MB once per process), e.g. in the
+    convert stage before it forks its workers, so that they share the modules instead of each importing them."""
+    import imagehash  # noqa: F401
+    import scipy.fftpack  # noqa: F401
+
+
+def phash_pair(image: Image.Image) -> tuple[int, int]:
+    """``(phash64 of the whole frame, phash64 of its central part)``: the second hashes the frame without a margin
+    of `PHASH_MARGIN` (5 %) of the width and height on each side, resampled to 32 x 32 with Lanczos (what
+    ``phash`` resizes to). One pHash alone does not survive a crop: on COCO128 a copy cropped 5 % per side lies
+    4-20 bits from its original, as far as the nearest distinct image (16); compared with the central part's hash
+    it lies 0-8 bits away (docs/convert.md, "Near-duplicate leaks", ``python -m benchmarks.leak_threshold``).
+
+    Args:
+        image: the displayed frame (EXIF orientation applied), any size, mode ``L`` or ``RGB``.
+    Returns:
+        two ints in [0, 2**64).
+    """
+    gray = image.convert("L")
+    w, h = gray.size
+    m = PHASH_MARGIN
+    centre = gray.resize((32, 32), Image.Resampling.LANCZOS, box=(w * m, h * m, w * (1 - m), h * (1 - m)))
+    return phash64(gray), phash64(centre)
+
+
+def inspect(data: bytes, phash: bool = False) -> ImageInfo:
+    """`inspect_image` raising `Unreadable` (no file name), for callers that count rather than stop; with
+    ``phash`` the result's ``phash`` is the `phash_pair` of the displayed frame, computed on the decode the check
+    makes anyway: a JPEG's 1/8-scale draft (e.g. 80 x 60 for 640 x 480), other formats' full `decode_rgb`."""
+    hashes = small = None
     try:
         with Image.open(io.BytesIO(data)) as im:
             fmt, mode, (width, height) = im.format, im.mode, im.size
@@ -94,8 +156,12 @@ def inspect(data: bytes) -> ImageInfo:
                 im.draft(None, (1, 1))
                 im.load()
                 orientation = im.getexif().get(0x0112, 1)
+                if phash:
+                    small = im.copy() if im.mode in ("L", "RGB") else im.convert("RGB")
         if fmt != "JPEG":
-            decode_rgb(data)          # the exact decoder later stages use (rare formats: cost is fine)
+            rgb = decode_rgb(data)    # the exact decoder later stages use (rare formats: cost is fine)
+            if phash:
+                small = Image.fromarray(rgb)
             with Image.open(io.BytesIO(data)) as im:
                 im.load()
                 orientation = im.getexif().get(0x0112, 1)
@@ -106,6 +172,10 @@ def inspect(data: bytes) -> ImageInfo:
         raise Unreadable(_reason(f"{type(e).__name__}: {e}")) from None
     if orientation not in _EXIF_ORIENTATIONS:
         orientation = 1                 # exif_transpose ignores other values
+    if phash:                           # outside the try: a failure here is a bug, not an unreadable image
+        if fmt == "JPEG" and orientation != 1:
+            small = small.transpose(_TRANSPOSE[orientation])
+        hashes = phash_pair(small)
     bits = data[24] if data[:8] == _PNG_SIGNATURE and data[12:16] == b"IHDR" else 8
     flags = []
     if mode in _GRAY_MODES:
@@ -118,7 +188,7 @@ def inspect(data: bytes) -> ImageInfo:
         flags.append("high_bit_depth")
     if mode in _ALPHA_MODES or transparency:
         flags.append("alpha")
-    return ImageInfo(fmt, mode, width, height, orientation, tuple(flags))
+    return ImageInfo(fmt, mode, width, height, orientation, tuple(flags), hashes)
 
 
 def _reason(msg: str) -> str:
