@@ -101,6 +101,8 @@ class Convert(_Section):
     shard_mb: float = Field(default=64, gt=0, description='Image bytes per Arrow shard, in MB (10^6 bytes).')
     strict: bool = Field(default=False, description='Turn every counted validation rule into an error naming the file, record and rule.')
     workers: int = Field(default=2, ge=0, description='Processes that read, validate and write shards (0 = in this process).')
+    leaks: Literal["off", "report", "drop", "error"] = Field(default="report", description="Near-duplicate check of val against train (rule val_near_duplicate): each val image's perceptual hash (ImageHash pHash, 64 bit, of the whole frame and of its central 90 %) is compared with every kept train image's; one within leak_distance is listed in report.json and kept (report), dropped from val with its annotations (drop) or an error naming both files (error); off: no hashing. Byte copies are always dropped (val_image_in_train).")
+    leak_distance: int = Field(default=10, ge=0, le=64, description="Largest pHash Hamming distance (bits of 64) at which a val image counts as a near-duplicate of a train image (leaks). 10: on COCO128 re-encoded (JPEG q70), resized (x0.9) and 5 %-per-side cropped copies lie 0-8 bits from their original, distinct images at least 16 apart (docs/convert.md).")
 
     @model_validator(mode="after")
     def _coco_needs_its_files(self):

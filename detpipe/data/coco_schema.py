@@ -44,6 +44,12 @@ RULES: dict[str, tuple[str, str]] = {
                                       "another id or name; checked by SHA-1, confirmed byte by byte, against the "
                                       "train images that were kept): dropped from val with its annotations, so "
                                       "that evaluation never scores an image the model was trained on"),
+    "val_near_duplicate": ("kept", "val image whose perceptual hash lies within convert.leak_distance bits of a kept "
+                                   "train image's (a re-encoded, resized or lightly cropped copy: ImageHash's 64-bit "
+                                   "pHash of the whole frame and of its central 90 %, nearest train image by Hamming "
+                                   "distance; checked after val_image_in_train). The action follows convert.leaks: "
+                                   "report keeps it (kept), drop drops it from val with its annotations (dropped), "
+                                   "error stops the stage naming both files (error), off does not check (off)"),
     "duplicate_image_bytes": ("kept", "image file bytes equal those of an image with a lower id in the same split "
                                       "(an exact copy under another id or name; confirmed byte by byte); kept"),
     "exif_orientation": ("fixed", "EXIF orientation 2..8: width/height and annotations stored in the displayed "
@@ -73,6 +79,9 @@ RULES: dict[str, tuple[str, str]] = {
                               "(segmentation mask area with pycocotools, else bbox w*h)"),
 }
 
+#: convert.leaks -> the action of rule ``val_near_duplicate`` (report.json, `Report`'s ``actions``).
+LEAK_ACTIONS: dict[str, str] = {"off": "off", "report": "kept", "drop": "dropped", "error": "error"}
+
 #: rule -> description of the inputs that always stop the convert stage (``error: ... (rule '<name>')``).
 ERRORS: dict[str, str] = {
     "json_invalid": "annotation file missing, unreadable, not JSON or not UTF-8",
@@ -90,11 +99,13 @@ ERRORS: dict[str, str] = {
 class Report:
     """Counts per validation rule (`RULES`) with the first `MAX_EXAMPLES` examples of each.
 
-    With ``strict`` every `add` raises `StageError` instead of counting.
+    With ``strict`` every `add` raises `StageError` instead of counting. ``actions``: rule -> action where a param
+    sets it (``val_near_duplicate``: `LEAK_ACTIONS`), else `RULES`' action.
     """
 
-    def __init__(self, strict: bool = False):
+    def __init__(self, strict: bool = False, actions: dict[str, str] | None = None):
         self.strict = strict
+        self.actions = {rule: action for rule, (action, _) in RULES.items()} | (actions or {})
         self.counts: dict[str, int] = {rule: 0 for rule in RULES}
         self.examples: dict[str, list[dict]] = {rule: [] for rule in RULES}
 
@@ -105,7 +116,7 @@ class Report:
             StageError: in strict mode, naming the file, the record and the rule.
         """
         if self.strict:
-            raise StageError(f"{file}: {record}: rule '{rule}' ({RULES[rule][0]} unless strict): {detail} "
+            raise StageError(f"{file}: {record}: rule '{rule}' ({self.actions[rule]} unless strict): {detail} "
                              f"(convert.strict is true)")
         self.counts[rule] += 1
         if len(self.examples[rule]) < MAX_EXAMPLES:
@@ -121,9 +132,9 @@ class Report:
 
     def to_json(self) -> dict:
         """``{rule: {"action", "description", "count", "examples"}}`` in `RULES` order."""
-        return {rule: {"action": action, "description": desc, "count": self.counts[rule],
+        return {rule: {"action": self.actions[rule], "description": desc, "count": self.counts[rule],
                        "examples": self.examples[rule]}
-                for rule, (action, desc) in RULES.items()}
+                for rule, (_, desc) in RULES.items()}
 
     def summary(self) -> str:
         """``"rule=count ..."`` of the non-zero rules, or ``"no findings"``."""

@@ -3,7 +3,9 @@
 One `ShardTask` is a run of consecutive images of one split (`plan_shards`, from the split's
 `detpipe.data.coco_reader.ImageTable`); `convert_shard` reads each image's annotations (their JSON text, from the
 annotation file) and its file, hashes the file (SHA-1: a val image equal to a kept train image is dropped,
-`train_copy`), checks it (`detpipe.data.imageio.inspect`), applies the annotation rules
+`train_copy`), checks it (`detpipe.data.imageio.inspect`; with ``convert.leaks`` not off also its perceptual
+hashes, `detpipe.data.imageio.phash_pair`: a val image within ``leak_distance`` of a kept train image is reported,
+dropped or an error, `nearest_train`), applies the annotation rules
 (`detpipe.data.coco_reader.clean_annotations`), maps annotations to the displayed frame where EXIF orientation asks
 for it (`detpipe.data.geometry`) and writes the rows as record batches of at most `BATCH_BYTES` image bytes (and as
 much segmentation text). It runs in a
@@ -24,10 +26,11 @@ import orjson
 import pyarrow as pa
 
 from detpipe.data.coco_reader import Entry, Frame, ImageTable, clean_annotations
-from detpipe.data.coco_schema import Report, to_rle
+from detpipe.data.coco_schema import LEAK_ACTIONS, Report, to_rle
 from detpipe.data.geometry import orient_box, orient_segmentation
 from detpipe.data.imageio import Unreadable, inspect
 from detpipe.data.label_stats import LabelStats
+from detpipe.errors import StageError
 
 SCHEMA = pa.schema(
     [
@@ -53,6 +56,8 @@ BATCH_BYTES = 16 << 20              # image bytes, or segmentation text, per Arr
 BATCH_ROWS = 1024
 SPREAD_SHARDS = 16                  # shards per split at least, while each keeps MIN_SHARD_BYTES (balance)
 MIN_SHARD_BYTES = 8_000_000
+NEAR_CHUNK = 1 << 20                # train hashes compared per numpy call in nearest_train (bounds its temporaries)
+PHASH_BITS = 64
 _OBJECT_COLUMNS = ("ann_id", "bbox", "category_id", "label", "iscrowd", "area", "segmentation")
 
 
@@ -60,8 +65,10 @@ _OBJECT_COLUMNS = ("ann_id", "bbox", "category_id", "label", "iscrowd", "area", 
 class LeakCheck:
     """Where a val shard finds the train images that were kept (written by `write_leak_check`): ``folder`` holds
     ``keys.npy`` (int64, ascending: the first 8 bytes of each image's SHA-1), ``rows.npy`` ((n, 3) int64: image
-    id, start and end of its file name in ``names.npy``, uint8 UTF-8) in the same order; names are relative to
-    ``images_dir``."""
+    id, start and end of its file name in ``names.npy``, uint8 UTF-8) and, when ``convert.leaks`` is not off,
+    ``phash.npy`` ((2, n) uint64: row 0 each image's whole-frame pHash, row 1 its central part's,
+    `detpipe.data.imageio.phash_pair`; rows contiguous for the scan) in the same order; names are
+    relative to ``images_dir``. Val shard workers memory-map them (`load_leak_check`)."""
     folder: str
     images_dir: str
 
@@ -72,7 +79,8 @@ class ShardTask:
     id) of ``split`` into ``out_path``. Per image: ``image_ids`` (int64), ``file_names``, ``widths``/``heights`` (int32,
     pixels, as in the JSON) and ``ann_counts``; its annotations are the next ``ann_counts[k]`` JSON texts at
     (``ann_starts``, ``ann_lengths``) bytes of ``ann_source``, parsed with orjson if ``fast_json`` (the file parsed
-    with orjson: orjson.dumps then also reproduces its values exactly), else Python's json. ``leak``: val only."""
+    with orjson: orjson.dumps then also reproduces its values exactly), else Python's json. ``leak``: val only.
+    ``leaks`` / ``leak_distance``: ``convert.leaks`` and ``convert.leak_distance`` (``off``: nothing hashed)."""
     split: str
     index: int
     out_path: str
@@ -91,13 +99,17 @@ class ShardTask:
     ann_starts: np.ndarray
     ann_lengths: np.ndarray
     leak: LeakCheck | None = None
+    leaks: str = "off"
+    leak_distance: int = 0
 
 
 @dataclasses.dataclass
 class ShardResult:
     """What `convert_shard` wrote: counts of images in / rows out, annotations, image bytes, findings, per row
-    written its table row and the first 8 bytes of its file's SHA-1 as int64 (``keys``), and the `LabelStats` of
-    the rows written (``labels``)."""
+    written its table row and the first 8 bytes of its file's SHA-1 as int64 (``keys``), the `LabelStats` of
+    the rows written (``labels``), per row written its `detpipe.data.imageio.phash_pair` (``phashes``: (rows, 2)
+    uint64; (0, 2) when ``convert.leaks`` is off) and, val only, how many images had their nearest train image
+    at each pHash distance (``nearest``: (65,) int64, index = Hamming distance 0..64; zeros when not checked)."""
     split: str
     index: int
     out_path: str | None  # None: every image of the shard was dropped, no file written
@@ -109,6 +121,8 @@ class ShardResult:
     rows_out: np.ndarray
     keys: np.ndarray
     labels: LabelStats
+    phashes: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros((0, 2), np.uint64))
+    nearest: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(PHASH_BITS + 1, np.int64))
 
 
 class _Batch:
@@ -221,15 +235,17 @@ def image_key(data: bytes | memoryview) -> int:
     return int.from_bytes(hashlib.sha1(data).digest()[:8], "little", signed=True)
 
 
-def load_leak_check(leak: LeakCheck) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The arrays of ``leak`` (memory-mapped): keys, rows, names."""
-    return tuple(np.load(os.path.join(leak.folder, f"{name}.npy"), mmap_mode="r") for name in ("keys", "rows", "names"))
+def load_leak_check(leak: LeakCheck) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """The arrays of ``leak`` (memory-mapped): keys, rows, names, and phash (None when not written)."""
+    arrays = [np.load(os.path.join(leak.folder, f"{name}.npy"), mmap_mode="r") for name in ("keys", "rows", "names")]
+    phash = os.path.join(leak.folder, "phash.npy")
+    return (*arrays, np.load(phash, mmap_mode="r") if os.path.exists(phash) else None)
 
 
 def train_copy(leak: LeakCheck, tables: tuple, key: int, data: memoryview) -> tuple[int, str] | None:
     """``(image id, path)`` of a kept train image whose file holds exactly ``data`` (`image_key` ``key``), or None
     (also when that train file cannot be read any more: equality not confirmed). ``tables``: `load_leak_check`."""
-    keys, rows, names = tables
+    keys, rows, names, _ = tables
     k = int(np.searchsorted(keys, key))
     while k < len(keys) and keys[k] == key:
         image_id, start, end = rows[k].tolist()
@@ -244,10 +260,50 @@ def train_copy(leak: LeakCheck, tables: tuple, key: int, data: memoryview) -> tu
     return None
 
 
-def write_leak_check(folder: Path, table: ImageTable, rows: np.ndarray, keys: np.ndarray, images_dir: Path) \
-        -> LeakCheck:
-    """Write the `LeakCheck` of the kept train images (``rows`` of ``table`` with SHA-1 keys ``keys``) into the new
-    folder ``folder``."""
+def nearest_train(leak: LeakCheck, tables: tuple, hashes: tuple[int, int]) -> tuple[int, int, str] | None:
+    """The kept train image nearest to a val image by pHash: ``(Hamming distance 0..64, train image id, path)``,
+    or None when there are no train hashes. The distance is the smallest of whole frame vs whole frame, val's
+    whole frame vs train's central part (val a crop of train) and val's central part vs train's whole frame
+    (train a crop of val), each the popcount of the XOR of two `detpipe.data.imageio.phash64` (``np.bitwise_count``
+    over all train hashes, `NEAR_CHUNK` at a time: ~11 bytes of temporaries per train image of a chunk, at most
+    ~11 MB, and O(train images) time per val image: ~0.4 ms per 100,000 train images on one core, ``python -m
+    benchmarks.convert_leaks``). Ties go to the lowest train image id.
+
+    Args:
+        leak: the `LeakCheck` ``tables`` were loaded from (for the train image's path).
+        tables: `load_leak_check` of ``leak``.
+        hashes: the val image's `detpipe.data.imageio.phash_pair` (two ints in [0, 2**64)).
+    """
+    _, rows, names, phash = tables
+    if phash is None or not phash.shape[1]:
+        return None
+    whole, centre = np.uint64(hashes[0]), np.uint64(hashes[1])
+    best, found = PHASH_BITS + 1, [np.zeros(0, np.int64)]
+    n = phash.shape[1]
+    xor = np.empty(min(n, NEAR_CHUNK), np.uint64)
+    for start in range(0, n, NEAR_CHUNK):
+        t_whole = np.asarray(phash[0, start:start + NEAR_CHUNK])
+        t_centre = np.asarray(phash[1, start:start + NEAR_CHUNK])
+        x = xor[:len(t_whole)]
+        dist = np.bitwise_count(np.bitwise_xor(t_whole, whole, out=x))
+        np.minimum(dist, np.bitwise_count(np.bitwise_xor(t_centre, whole, out=x)), out=dist)
+        np.minimum(dist, np.bitwise_count(np.bitwise_xor(t_whole, centre, out=x)), out=dist)
+        low = int(dist.min())
+        if low < best:
+            best, found = low, []
+        if low == best:
+            found.append(np.flatnonzero(dist == low) + start)
+    at = np.concatenate(found)
+    k = int(at[np.argmin(rows[at, 0])])
+    image_id, start, end = rows[k].tolist()
+    return best, image_id, os.path.join(leak.images_dir, bytes(names[start:end]).decode())
+
+
+def write_leak_check(folder: Path, table: ImageTable, rows: np.ndarray, keys: np.ndarray, images_dir: Path,
+                     phashes: np.ndarray | None = None) -> LeakCheck:
+    """Write the `LeakCheck` of the kept train images (``rows`` of ``table`` with SHA-1 keys ``keys`` and, unless
+    None, `detpipe.data.imageio.phash_pair` hashes ``phashes``, (len(rows), 2) uint64) into the new folder
+    ``folder``."""
     folder.mkdir()
     order = np.argsort(keys, kind="stable")
     rows = rows[order]
@@ -256,14 +312,51 @@ def write_leak_check(folder: Path, table: ImageTable, rows: np.ndarray, keys: np
     np.save(folder / "keys.npy", keys[order])
     np.save(folder / "rows.npy", np.stack([table.ids[rows], ends[pos], ends[pos + 1]], axis=1))
     np.save(folder / "names.npy", np.frombuffer(table.cols.names, np.uint8))
+    if phashes is not None:
+        np.save(folder / "phash.npy", np.ascontiguousarray(phashes[order].T))
     return LeakCheck(str(folder), str(images_dir))
 
 
-def convert_image(entry: Entry, task: ShardTask, report: Report, batch: _Batch, train: tuple | None = None) \
-        -> tuple[dict, int, int] | None:
+def _near_duplicate(entry: Entry, task: ShardTask, report: Report, train: tuple, hashes: tuple[int, int],
+                    path: str, nearest: np.ndarray | None) -> bool:
+    """Check one val image (decoded and valid) against the kept train images (rule ``val_near_duplicate``): count
+    its nearest distance in ``nearest``; at most ``task.leak_distance`` away, report it (``leaks: report``),
+    report and drop it (``drop``: True) or raise (``error``). Returns True when the image is dropped.
+
+    Raises:
+        StageError: ``leaks: error`` and a near-duplicate, naming the val file, its image id, the train file, the
+            distance and the rule; or ``strict`` (`Report.add`).
+    """
+    near = nearest_train(task.leak, train, hashes)
+    if near is None:
+        return False
+    dist, train_id, train_path = near
+    if nearest is not None:
+        nearest[dist] += 1
+    if dist > task.leak_distance:
+        return False
+    what = (f"pHash Hamming distance {dist} <= {task.leak_distance} (convert.leak_distance) to train image id "
+            f"{train_id} ({train_path})")
+    if task.leaks == "error":
+        raise StageError(f"{path}: image id {entry.image_id}: near-duplicate of a train image: {what} "
+                         f"(rule 'val_near_duplicate'; convert.leaks is error)")
+    drop = task.leaks == "drop"
+    tail = f"; dropped with its {len(entry.anns)} annotation(s)" if drop else "; kept (convert.leaks: report)"
+    report.add("val_near_duplicate", task.split, path, f"image id {entry.image_id}", what + tail)
+    return drop
+
+
+def convert_image(entry: Entry, task: ShardTask, report: Report, batch: _Batch, train: tuple | None = None,
+                  nearest: np.ndarray | None = None) -> tuple[dict, int, int, tuple[int, int] | None] | None:
     """Validate one image and its annotations (the file is read into ``batch``'s buffer); return its Arrow row
-    (a dict of the `SCHEMA` columns but ``image``), its byte count for `_Batch.add` and its `image_key`, or None
-    if the image is dropped (counted in ``report``). ``train``: `load_leak_check` of ``task.leak`` (val)."""
+    (a dict of the `SCHEMA` columns but ``image``), its byte count for `_Batch.add`, its `image_key` and its
+    `detpipe.data.imageio.phash_pair` (None when ``task.leaks`` is off), or None if the image is dropped (counted
+    in ``report``). ``train``: `load_leak_check` of ``task.leak`` (val); ``nearest``: the shard's histogram of
+    nearest-train distances (`ShardResult.nearest`), val only.
+
+    Raises:
+        StageError: in strict mode at the first finding; ``leaks: error`` at a near-duplicate (`_near_duplicate`).
+    """
     split, iid = task.split, entry.image_id
     path = os.path.join(task.images_dir, entry.file_name)
     record = f"image id {iid}"
@@ -284,7 +377,7 @@ def convert_image(entry: Entry, task: ShardTask, report: Report, batch: _Batch, 
                        f"same bytes as train image id {copy[0]} ({copy[1]})" + tail)
             return None
     try:
-        info = inspect(data)
+        info = inspect(data, phash=task.leaks != "off")
     except Unreadable as e:
         report.add("image_unreadable", split, path, record, f"{e}" + tail)
         return None
@@ -299,6 +392,9 @@ def convert_image(entry: Entry, task: ShardTask, report: Report, batch: _Batch, 
         extra = f" ({shown[0]}x{shown[1]} after EXIF orientation {info.orientation})" if shown != raw else ""
         report.add("image_size_mismatch", split, path, record,
                    f"JSON says {jw}x{jh}, file is {raw[0]}x{raw[1]}{extra}" + tail)
+        return None
+    if train is not None and info.phash is not None and \
+            _near_duplicate(entry, task, report, train, info.phash, path, nearest):
         return None
     if info.orientation != 1:
         how = (f"annotations mapped from the stored {raw[0]}x{raw[1]} raster to the displayed "
@@ -317,7 +413,7 @@ def convert_image(entry: Entry, task: ShardTask, report: Report, batch: _Batch, 
         why = "no annotations in the JSON" if not entry.anns else f"all {len(entry.anns)} annotation(s) dropped"
         report.add("image_no_annotations", split, path, record, f"{why}; kept as a negative")
     return ({"image_id": iid, "file_name": entry.file_name, "width": shown[0], "height": shown[1], **objs},
-            len(data), key)
+            len(data), key, info.phash)
 
 
 def entries(task: ShardTask) -> Iterator[Entry]:
@@ -339,23 +435,26 @@ def convert_shard(task: ShardTask) -> ShardResult:
         StageError: in strict mode, at the first finding (the partial file is left for the caller's
             temporary folder to remove).
     """
-    report = Report(task.strict)
+    report = Report(task.strict, {"val_near_duplicate": LEAK_ACTIONS[task.leaks]})
     writer = None
     batch = _Batch()
     rows = anns = nbytes = 0
     n = len(task.image_ids)
-    rows_out, keys = [], []
+    rows_out, keys, phashes = [], [], []
+    nearest = np.zeros(PHASH_BITS + 1, np.int64)
     stats = LabelStats(max(task.labels.values(), default=0) + 1)
     train = None if task.leak is None else load_leak_check(task.leak)
     try:
         for k, entry in enumerate(entries(task)):
-            got = convert_image(entry, task, report, batch, train)
+            got = convert_image(entry, task, report, batch, train, nearest)
             if got is not None:
-                row, size, key = got
+                row, size, key, hashes = got
                 batch.add(row, size)
                 rows, anns, nbytes = rows + 1, anns + len(row["ann_id"]), nbytes + size
                 rows_out.append(int(task.rows[k]))
                 keys.append(key)
+                if hashes is not None:
+                    phashes.append(hashes)
                 stats.add_image(row["bbox"], row["label"], row["iscrowd"])
             if batch.rows and (k == n - 1 or batch.nbytes >= BATCH_BYTES or batch.rows >= BATCH_ROWS
                                or batch.text_bytes >= BATCH_BYTES):
@@ -368,7 +467,8 @@ def convert_shard(task: ShardTask) -> ShardResult:
         if writer is not None:
             writer.close()
     return ShardResult(task.split, task.index, task.out_path if writer is not None else None, n, rows, anns,
-                       nbytes, report, np.array(rows_out, np.int64), np.array(keys, np.int64), stats)
+                       nbytes, report, np.array(rows_out, np.int64), np.array(keys, np.int64), stats,
+                       np.array(phashes, np.uint64).reshape(-1, 2), nearest)
 
 
 def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -380,13 +480,14 @@ def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
 
 
 def plan_shards(split: str, table: ImageTable, rows: np.ndarray, images_dir: Path, out_dir: Path, labels: dict,
-                shard_mb: float, strict: bool, leak: LeakCheck | None = None) -> Iterator[ShardTask]:
+                shard_mb: float, strict: bool, leak: LeakCheck | None = None, leaks: str = "off",
+                leak_distance: int = 0) -> Iterator[ShardTask]:
     """Yield the shard tasks of one split, the images ``rows`` of ``table`` (ascending): runs of consecutive images
     whose file sizes sum to at most ``shard_mb`` x 10^6 bytes (a larger image gets a shard of its own), the bytes
     spread evenly over the shards, and at least `SPREAD_SHARDS` shards where the split holds `MIN_SHARD_BYTES` per
     shard, so that a few workers get about the same work (3 shards on 2 workers would leave one idle half the
     time). The layout depends on the files only, not on the number of workers. Writes go to
-    ``out_dir/<split>/part-NNNNN.arrow``."""
+    ``out_dir/<split>/part-NNNNN.arrow``. ``leak``, ``leaks``, ``leak_distance``: see `ShardTask`."""
     def size(row: int) -> int:
         try:
             return os.stat(images_dir / table.name(row)).st_size
@@ -409,7 +510,7 @@ def plan_shards(split: str, table: ImageTable, rows: np.ndarray, images_dir: Pat
         return ShardTask(split, index, str(out_dir / split / f"part-{index:05d}.arrow"), str(images_dir),
                          str(table.cols.path), labels, strict, table.cols.fast, r, table.ids[r],
                          [table.name(k) for k in r.tolist()], widths[pos], heights[pos], counts, table.cols.source,
-                         table.ann_starts[anns], table.ann_lengths[anns], leak)
+                         table.ann_starts[anns], table.ann_lengths[anns], leak, leaks, leak_distance)
 
     index, start, cur_bytes = 0, 0, 0
     for k, size in enumerate(sizes.tolist()):

@@ -89,7 +89,13 @@ peak of sorting them), whatever their JSON size; each worker one image's annotat
 Leaks between splits: every image file is hashed (SHA-1) as it is read. The train shards are written first; a val
 image whose bytes equal a kept train image's (confirmed byte by byte) is then dropped from val (rule
 ``val_image_in_train``; with ``strict`` an error naming both files); exact copies within a split are counted
-(``duplicate_image_bytes``) and kept.
+(``duplicate_image_bytes``) and kept. Near-duplicates (``convert.leaks``, default ``report``): the workers also
+hash every kept image perceptually (`detpipe.data.imageio.phash_pair`: ImageHash's 64-bit pHash of the whole
+frame and of its central 90 %, on the 1/8-scale decode the image check makes anyway; 16 bytes per train image in
+this process and in the leak check's memory-mapped arrays), and each val image that is not a byte copy is compared
+with every kept train image (`detpipe.data.cocoarrow.nearest_train`): at most ``convert.leak_distance`` bits away
+it is reported (rule ``val_near_duplicate``, kept), dropped (``drop``) or an error naming both files (``error``);
+report.json's ``leaks`` section counts the val images per nearest distance.
 """
 from __future__ import annotations
 
@@ -104,9 +110,9 @@ from typing import Iterator
 import numpy as np
 
 from detpipe.data.coco_reader import ImageTable, gc_paused, index, read_coco, split_ids, val_positions
-from detpipe.data.coco_schema import Report
+from detpipe.data.coco_schema import LEAK_ACTIONS, Report
 from detpipe.data.cocoarrow import (SCHEMA, ShardResult, convert_shard, plan_shards, write_leak_check)
-from detpipe.data.imageio import inspect_image
+from detpipe.data.imageio import inspect_image, preload_phash
 from detpipe.data.label_stats import LabelStats, write_label_plots
 from detpipe.data import cvat_reader, labelme_reader, translate, voc_reader, yolo_reader
 from detpipe.errors import StageError
@@ -252,6 +258,17 @@ def _collect(results: list[ShardResult], sources: dict, tmp: Path, report: Repor
     return splits
 
 
+def _leaks_section(params: Convert, leaks: str, results: list[ShardResult]) -> dict:
+    """report.json's ``leaks``: the near-duplicate check's params, how many val images were compared with the
+    train images and how many had their nearest train image at each pHash Hamming distance (``nearest_distance``,
+    ``{"<bits>": images}``, non-zero only; val images dropped by an earlier rule are not compared)."""
+    nearest = sum((r.nearest for r in results if r.split == "val"), np.zeros(65, np.int64))
+    return {"mode": params.leaks, "leak_distance": params.leak_distance,
+            "hash": "imagehash.phash (64 bit) of the whole frame and of its central 90 %, 1/8-scale JPEG decode",
+            "checked": leaks != "off", "val_images_compared": int(nearest.sum()),
+            "nearest_distance": {str(d): int(n) for d, n in enumerate(nearest.tolist()) if n}}
+
+
 def convert(raw_root: Path | str, out_dir: Path | str, params: Convert, *, progress: bool = True,
             label_plots: Path | str | None = None) -> dict:
     """Convert a COCO instances dataset to Arrow IPC shards (see the module docstring for layout and schema).
@@ -308,8 +325,10 @@ def _convert(raw_root: Path, out_dir: Path, params: Convert, progress: bool, lab
     """`convert` of one format: COCO (``other`` None) or ``(format, translated)`` (``translated``: filled with the
     `detpipe.data.translate.Translated` per split, for naming the source files in findings and errors)."""
     t0 = time.perf_counter()
-    report = Report(params.strict)
+    report = Report(params.strict, {"val_near_duplicate": LEAK_ACTIONS[params.leaks]})
     ds = None
+    if params.leaks != "off":
+        preload_phash()                 # once here, not in every worker: they are forked below
     with process_pool(params.workers) as pool, gc_paused() as parsed, atomic_dir(out_dir) as tmp:
         if other is None:
             sources, categories, train_file, val_file = _sources(raw_root, params, report, tmp)  # after the fork
@@ -322,18 +341,20 @@ def _convert(raw_root: Path, out_dir: Path, params: Convert, progress: bool, lab
         names = {c["id"]: c["name"] for c in categories}
         total = sum(len(s[1]) for s in sources.values())
         results: list[ShardResult] = []
+        leaks = params.leaks if len(sources["val"][1]) else "off"      # no val: nothing to compare, nothing hashed
         with Progress(total, "convert", unit="image", enabled=progress) as bar:
             leak = None
             for split, (table, rows, images_dir) in sources.items():   # train first: val is checked against it
                 if split == "val" and len(rows):
                     train_table, _, train_dir = sources["train"]
+                    phashes = [np.zeros((0, 2), np.uint64)] + [r.phashes for r in results]
                     leak = write_leak_check(tmp / ".train-images", train_table,
                                             np.concatenate([np.zeros(0, np.int64)] + [r.rows_out for r in results]),
                                             np.concatenate([np.zeros(0, np.int64)] + [r.keys for r in results]),
-                                            train_dir)
+                                            train_dir, None if leaks == "off" else np.concatenate(phashes))
                 (tmp / split).mkdir()
                 tasks = plan_shards(split, table, rows, images_dir, tmp, labels, params.shard_mb, params.strict,
-                                    leak)
+                                    leak, leaks, params.leak_distance)
                 for r in bounded_map(pool, convert_shard, tasks, 2 * max(1, params.workers), ordered=False):
                     results.append(r)
                     bar.update(r.images, images=r.images)
@@ -361,6 +382,7 @@ def _convert(raw_root: Path, out_dir: Path, params: Convert, progress: bool, lab
                            "image_bytes": v["image_bytes"], "shards": len(v["shards"])}
                        for s, v in splits.items()},
             "rules": report.to_json(),
+            "leaks": _leaks_section(params, leaks, results),
         }
         if ds is not None:
             _translated_report(ds, raw_root, params, meta, rep)

@@ -879,7 +879,10 @@ def _leaky_val(tmp_path, coco):
 def test_val_image_equal_to_a_train_image_is_dropped(tmp_path, coco):
     raw, train, val = _leaky_val(tmp_path, coco)
     res = run(raw, val_annotations="annotations/instances_val2017.json", val_images="val2017")
-    assert findings(res) == {"val_image_in_train": 1, "image_no_annotations": 1}     # near.jpg: no annotations
+    assert findings(res) == {"val_image_in_train": 1, "image_no_annotations": 1,     # near.jpg: no annotations
+                             "val_near_duplicate": 1}    # near.jpg: same pixels, reported (convert.leaks: report)
+    (near,) = res["report"]["rules"]["val_near_duplicate"]["examples"]
+    assert near["record"] == "image id 902" and near["detail"].startswith("pHash Hamming distance 0 <= ")
     (example,) = res["report"]["rules"]["val_image_in_train"]["examples"]
     first = train["images"][0]
     assert example["split"] == "val" and example["record"] == "image id 901"

@@ -65,7 +65,11 @@ def test_large_json_converts_under_a_memory_limit(tmp_path):
     assert sum(s["images"] for s in meta["splits"].values()) == IMAGES
     assert sum(s["annotations"] for s in meta["splits"].values()) == IMAGES * ANNS
     report = json.loads((out / "report.json").read_text())
-    assert {rule: v["count"] for rule, v in report["rules"].items() if v["count"]} == {}
+    # one photo in every file: each val image is a near-duplicate of the train images (pHash distance 0), listed
+    # and kept (convert.leaks: report, the default), its hashes computed under the same limit
+    assert {rule: v["count"] for rule, v in report["rules"].items() if v["count"]} == {
+        "val_near_duplicate": meta["splits"]["val"]["images"]}
+    assert report["leaks"]["nearest_distance"] == {"0": meta["splits"]["val"]["images"]}
     # the label statistics, counted under the same limit, cover every train box
     classes = json.loads((labels / "instances.json").read_text())["instances"]
     assert sum(c["instances"] for c in classes) == meta["splits"]["train"]["annotations"]
