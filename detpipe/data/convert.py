@@ -327,9 +327,9 @@ def _convert(raw_root: Path, out_dir: Path, params: Convert, progress: bool, lab
     t0 = time.perf_counter()
     report = Report(params.strict, {"val_near_duplicate": LEAK_ACTIONS[params.leaks]})
     ds = None
-    if params.leaks != "off":
-        preload_phash()                 # once here, not in every worker: they are forked below
     with process_pool(params.workers) as pool, gc_paused() as parsed, atomic_dir(out_dir) as tmp:
+        for _ in range(params.workers if params.leaks != "off" else 0):
+            pool.submit(preload_phash)  # the workers import ImageHash (~0.4 s) while this process reads the JSON
         if other is None:
             sources, categories, train_file, val_file = _sources(raw_root, params, report, tmp)  # after the fork
         else:
