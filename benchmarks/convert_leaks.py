@@ -19,7 +19,7 @@ run's train images and against 118,287 random hashes (COCO train2017's size).
 
 Last line: ``ratio: X`` = report seconds / off seconds (best runs).
 
-    python -m benchmarks.convert_leaks [--images 2048] [--repeat 3]
+    python -m benchmarks.convert_leaks [--images 4096] [--repeat 4]
 """
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def run_convert(raw: Path, out: Path, params: Convert) -> tuple[float, float]:
     return seconds, after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
 
 
-def hashing_ms(rounds: int = 3) -> tuple[float, float, float]:
+def hashing_ms(rounds: int = 5) -> tuple[float, float, float]:
     """(ms per image of `inspect` without and with ``phash``, their difference), best of ``rounds``, on the 128
     COCO128 files (bytes in memory)."""
     from detpipe.data.imageio import inspect, preload_phash
@@ -99,8 +99,8 @@ def nearest_us(n_train: int, queries: int = 200) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--images", type=int, default=2048, help="images of the replica")
-    ap.add_argument("--repeat", type=int, default=3, help="runs per mode (best counts)")
+    ap.add_argument("--images", type=int, default=4096, help="images of the replica")
+    ap.add_argument("--repeat", type=int, default=4, help="runs per mode (best counts)")
     ap.add_argument("--tmp", default=None, help="folder for the replica (default: system temp)")
     args = ap.parse_args()
     base = load("convert", REPO / "params.yaml")
@@ -132,7 +132,7 @@ def main() -> None:
     print(f"report - off: {(report - off) / args.images * 1e3:.3f} ms per image of wall time "
           f"({params.workers} workers), {(min(cpu['report']) - min(cpu['off'])) / args.images * 1e3:.3f} ms of CPU")
     plain, hashed, cost = hashing_ms()
-    print(f"hashing in one process (128 COCO128 files, best of 3): image check {plain:.3f} ms per image, with the "
+    print(f"hashing in one process (128 COCO128 files, best of 5): image check {plain:.3f} ms per image, with the "
           f"two pHashes {hashed:.3f} ms: hashing {cost:.3f} ms per image (CPU, one core)")
     print(f"comparison per val image (nearest_train): {nearest_us(n_train):.1f} us against {n_train} train images, "
           f"{nearest_us(COCO_TRAIN2017):.1f} us against {COCO_TRAIN2017} (COCO train2017's size)")

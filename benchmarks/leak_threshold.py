@@ -17,7 +17,8 @@ part, central part vs whole):
   pairs at each distance or below, i.e. how often an unrelated train image would fall within a threshold, which
   grows with the number of train images each val image is compared with.
 
-Each line gives the distances' count per value (``{bits: images}``), min, max; the last line is ``ratio: X``: the
+Each line gives the distances' count per value (``{bits: images}``), min, max (for the copies also the distance
+of the whole-frame hashes alone, which a crop defeats); the last line is ``ratio: X``: the
 smallest distance between two distinct COCO128 images / the largest distance of a modified copy (q70, resize,
 crop, all) from its original (> 1: a threshold separates them; ``convert.leak_distance`` should lie between).
 
@@ -38,7 +39,7 @@ from PIL import Image
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from detpipe.data.imageio import inspect  # noqa: E402
+from detpipe.data.imageio import inspect, preload_phash  # noqa: E402
 from detpipe.params import Convert  # noqa: E402
 
 IMAGES = REPO / "data" / "coco128" / "train2017"
@@ -94,6 +95,7 @@ def main() -> None:
     files = sorted(IMAGES.glob("*.jpg"))
     print(f"{len(files)} COCO128 images; convert.leak_distance default {Convert.model_fields['leak_distance'].default};"
           f" load {os.getloadavg()}", flush=True)
+    preload_phash()
     t = time.perf_counter()
     own = [hashes(f.read_bytes()) for f in files]
     print(f"hashing (1/8-scale decode + 2 pHashes): {(time.perf_counter() - t) / len(files) * 1e3:.2f} ms per image",
@@ -107,14 +109,16 @@ def main() -> None:
           f"{ {d: c for d, c in sorted(collections.Counter(upper.tolist()).items()) if d <= 24} }")
     worst = 0
     for name, make in {**COPIES, **INFO_COPIES}.items():
-        dists = []
+        dists, whole = [], []
         for f, h in zip(files, own):
             with Image.open(f) as im:
-                dists.append(distance(hashes(make(im.convert("RGB"))), h))
+                got = hashes(make(im.convert("RGB")))
+            dists.append(distance(got, h))
+            whole.append(bin(got[0] ^ h[0]).count("1"))
         if name in COPIES:
             worst = max(worst, max(dists))
-        print(f"copy {name:>20s} ({'in the ratio' if name in COPIES else 'information'}): {summary(dists)}",
-              flush=True)
+        print(f"copy {name:>20s} ({'in the ratio' if name in COPIES else 'information'}): {summary(dists)}; "
+              f"whole-frame hash alone: min {min(whole)} max {max(whole)} median {int(np.median(whole))}", flush=True)
     quads, photo = [], []
     for k, f in enumerate(files):
         with Image.open(f) as im:
