@@ -111,7 +111,7 @@ import numpy as np
 
 from detpipe.data.coco_reader import ImageTable, gc_paused, index, read_coco, split_ids, val_positions
 from detpipe.data.coco_schema import LEAK_ACTIONS, Report
-from detpipe.data.cocoarrow import (SCHEMA, ShardResult, convert_shard, plan_shards, write_leak_check)
+from detpipe.data.cocoarrow import (PHASH_BITS, SCHEMA, ShardResult, convert_shard, plan_shards, write_leak_check)
 from detpipe.data.imageio import inspect_image, preload_phash
 from detpipe.data.label_stats import LabelStats, write_label_plots
 from detpipe.data import cvat_reader, labelme_reader, translate, voc_reader, yolo_reader
@@ -262,7 +262,7 @@ def _leaks_section(params: Convert, leaks: str, results: list[ShardResult]) -> d
     """report.json's ``leaks``: the near-duplicate check's params, how many val images were compared with the
     train images and how many had their nearest train image at each pHash Hamming distance (``nearest_distance``,
     ``{"<bits>": images}``, non-zero only; val images dropped by an earlier rule are not compared)."""
-    nearest = sum((r.nearest for r in results if r.split == "val"), np.zeros(65, np.int64))
+    nearest = sum((r.nearest for r in results if r.split == "val"), np.zeros(PHASH_BITS + 1, np.int64))
     return {"mode": params.leaks, "leak_distance": params.leak_distance,
             "hash": "imagehash.phash (64 bit) of the whole frame and of its central 90 %, 1/8-scale JPEG decode",
             "checked": leaks != "off", "val_images_compared": int(nearest.sum()),
@@ -289,6 +289,7 @@ def convert(raw_root: Path | str, out_dir: Path | str, params: Convert, *, progr
     Raises:
         StageError: an input of `detpipe.data.coco_schema.ERRORS` (malformed annotation file, a split emptied by the
             rules, ...), a missing image folder, or (``params.strict``) any rule of `detpipe.data.coco_schema.RULES`;
+            ``leaks: error`` and a val image within ``leak_distance`` of a train image (naming both files);
             other formats: malformed input, naming the file and record (each reader's ``read``);
             ``format: auto`` finding both formats or neither.
     """
