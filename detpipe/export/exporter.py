@@ -454,8 +454,9 @@ final detections matched {{ r['detections']['match'] | fmt('.3f') }}) |
 {% endfor %}
 
 Classes: the model's output `labels` are training labels; `predict` and `evaluate` report the dataset's own
-category ids and names{% if meta.get('format') %} ({{ meta['format'] }} dataset{{ ': ids are the class indices of ' + meta['annotations_file'] if meta['format'] == 'yolo' else '' }}){% endif %}
-(`category_id_to_label` in `data/arrow/meta.json`; label 0 is the background):
+category ids and names (`category_id_to_label` in `data/arrow/meta.json`; label 0 is the background)\
+{% if meta.get('format') %}; {{ meta['format'] }} dataset\
+{{ ': ids are the class indices of ' + meta['annotations_file'] if meta['format'] == 'yolo' else '' }}{% endif %}:
 
 | label | category_id | name |
 |---|---|---|

@@ -227,7 +227,9 @@ def test_yolo_dataset_ids_and_names_in_predictions_and_model_card(exported, gt, 
     report = json.loads((work / "models/export_report.json").read_text())
     for arrow, ids in ((work / "data/arrow", [0, 1, 2, 3]), (exported / "data/arrow", [18, 22, 24, 25])):
         card = model_card(ckpt, report, arrow, work / "metrics/eval.json")
-        assert ("(yolo dataset: ids are the class indices of data.yaml)" in card) == (ids[0] == 0)
+        assert ("label 0 is the background); yolo dataset: ids are the class indices of data.yaml:" in card) == \
+            (ids[0] == 0)
+        assert ("label 0 is the background):\n" in card) == (ids[0] != 0)
         for label, (cid, name) in enumerate(zip(ids, names), 1):
             assert f"| {label} | {cid} | {name} |" in card.splitlines(), card
 
