@@ -563,7 +563,8 @@ def clean_annotations(anns: list[dict], frame: Frame, labels: dict[int, int], re
     Box rules run on the float32 values that are stored (range checked first, without float conversion).
     Returns:
         ``(ann_id, bbox [x, y, w, h] float32 pixels, category_id, label, iscrowd, area float, segmentation or
-        None)`` per kept annotation, in input order.
+        None, occluded)`` per kept annotation, in input order; ``occluded`` is 1 when the record has
+        ``"attributes": {"occluded": true}`` (what CVAT's COCO export and the CVAT reader write), else 0.
     Raises:
         StageError: in strict mode, at the first counted finding.
     """
@@ -630,5 +631,7 @@ def clean_annotations(anns: list[dict], frame: Frame, labels: dict[int, int], re
             area = new_area
         if frame.orient is not None:
             box, seg = frame.orient(box, seg)
-        out.append((aid, box, cat, label, crowd, float(area), seg))
+        attributes = ann.get("attributes")
+        occluded = int(isinstance(attributes, dict) and attributes.get("occluded") is True)
+        out.append((aid, box, cat, label, crowd, float(area), seg, occluded))
     return out

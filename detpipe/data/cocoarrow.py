@@ -46,8 +46,9 @@ SCHEMA = pa.schema(
         ("iscrowd", pa.list_(pa.int8())),
         ("area", pa.list_(pa.float64())),
         ("segmentation", pa.list_(pa.string())),
+        ("occluded", pa.list_(pa.int8())),
     ],
-    metadata={"detpipe.convert.schema_version": "1"},
+    metadata={"detpipe.convert.schema_version": "2"},
 )
 """Arrow schema of the converted data, one row per image (see the convert stage's docstring)."""
 
@@ -58,7 +59,7 @@ SPREAD_SHARDS = 16                  # shards per split at least, while each keep
 MIN_SHARD_BYTES = 8_000_000
 NEAR_CHUNK = 1 << 20                # train hashes compared per numpy call in nearest_train (bounds its temporaries)
 PHASH_BITS = 64
-_OBJECT_COLUMNS = ("ann_id", "bbox", "category_id", "label", "iscrowd", "area", "segmentation")
+_OBJECT_COLUMNS = ("ann_id", "bbox", "category_id", "label", "iscrowd", "area", "segmentation", "occluded")
 
 
 @dataclasses.dataclass

@@ -39,6 +39,8 @@ column             Arrow type                          meaning
                                                        missing
 ``segmentation``   list<string>                        JSON text of the polygons / RLE as given
                                                        ("" if absent or invalid: segmentation_invalid)
+``occluded``       list<int8>                          1 if the record has ``"attributes": {"occluded": true}``
+                                                       (CVAT's COCO export, the CVAT reader), else 0
 =================  ==================================  ==================================================
 
 The per-object lists have the same length within a row; images without objects have empty lists (negatives).

@@ -305,9 +305,10 @@ def test_polygons_from_coco_segmentation(dataset, tmp_path):
 
 
 def test_occluded_kept(dataset, converted, tmp_path):
-    """``occluded="1"``: the object is kept (the same Arrow rows as without the flag), the translated COCO
-    annotation carries ``"attributes": {"occluded": true}`` (CVAT's COCO exporter's key), and report.json's
-    ``cvat.occluded_objects`` counts it with the image and element; the Arrow schema is unchanged."""
+    """``occluded="1"``: the object is kept with ``occluded`` 1 in its Arrow row (every other column the same as
+    without the flag, every other object 0), the translated COCO annotation carries ``"attributes": {"occluded":
+    true}`` (CVAT's COCO exporter's key), and report.json's ``cvat.occluded_objects`` counts it with the image and
+    element."""
     raw = cvat_copy(dataset, tmp_path / "raw")
     tree = _xml(raw)
     ims = tree.getroot().findall("image")
@@ -320,8 +321,20 @@ def test_occluded_kept(dataset, converted, tmp_path):
     assert occ["count"] == 3
     assert [e["record"] for e in occ["examples"]] == [f"image '{n}' element {k}" for n, k in flagged]
     assert all(e["file"] == str(path) for e in occ["examples"])
+    want = {}
+    for name, k in flagged:
+        want.setdefault(name, set()).add(k)
+    seen = 0
     for split in ("train", "val"):
-        assert read_rows(tmp_path / "arrow", split) == read_rows(converted["out"], split)
+        rows, plain = read_rows(tmp_path / "arrow", split), read_rows(converted["out"], split)
+        assert [{c: v for c, v in r.items() if c != "occluded"} for r in rows] == \
+            [{c: v for c, v in r.items() if c != "occluded"} for r in plain]
+        assert all(not any(r["occluded"]) for r in plain)
+        for row in rows:
+            flags = want.get(Path(row["file_name"]).name, set())
+            assert list(row["occluded"]) == [int(k in flags) for k in range(1, len(row["bbox"]) + 1)]
+            seen += sum(row["occluded"])
+    assert seen == len(flagged)
     (tmp_path / "scratch").mkdir()
     ds = cvat_reader.read(raw, params(), tmp_path / "scratch")
     coco = json.loads(ds.translated["train"].json_path.read_text())
