@@ -57,9 +57,14 @@ def _trained_workdir(factory) -> Path:
 
 
 def _two_rank_workdir(factory) -> Path:
-    work = elastic_workdir(prebuild.get("cached_workdir"), factory.mktemp("two_ranks"), {"nproc_per_node": 2})
-    stage_cli("train", work)
+    work = elastic_workdir(prebuild.get("cached_workdir"), factory.mktemp("two_ranks") / "w", {"nproc_per_node": 2})
+    proc = stage_cli("train", work)
+    (work.parent / TWO_RANK_LOG).write_text(proc.stderr)
     return work
+
+
+# The stderr of `two_rank_workdir`'s train run, beside it (``two_rank_workdir.parent / TWO_RANK_LOG``).
+TWO_RANK_LOG = "two_rank_train.log"
 
 
 # The default pipeline's params in `reproduced_repo`: a 12-image dataset (pinned by its sha256), one epoch.
@@ -182,7 +187,8 @@ def trained_workdir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def two_rank_workdir(tmp_path_factory) -> Path:
-    """An uninterrupted single-node train run with 2 worker processes (world size 2) and ``ELASTIC_TRAIN``."""
+    """An uninterrupted single-node train run with 2 worker processes (world size 2) and ``ELASTIC_TRAIN``. Tests
+    must not modify it. The run's stderr is ``two_rank_workdir.parent / TWO_RANK_LOG``."""
     return prebuild.get("two_rank_workdir")
 
 
