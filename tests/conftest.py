@@ -129,9 +129,9 @@ for _name, _build in (("learns_prepared", _learns_prepared), ("fitted_workdir", 
     prebuild.register(_name, _build)
 # Built in the background in this order when a selected test uses them: the order of first need in a full run
 # (`RUN_LATE` included): trained_workdir (test_evaluate), reproduced_repo (test_export), the learns trainings
-# (test_learns, test_predict, test_serve), two_rank_workdir (test_cluster, test_elastic), prefect_api (test_cluster),
-# killed_run (test_flows), workers_team (test_workers comes last); then any other registered build. The test
-# modules register their own (test_flows' killed_run, test_workers' workers_team, test_learns' trainings on
+# (test_learns, test_predict, test_serve), two_rank_workdir (test_cluster, test_distributed, test_elastic), prefect_api
+# (test_cluster), killed_run (test_flows), workers_team (test_workers comes last); then any other registered build.
+# The test modules register their own (test_flows' killed_run, test_workers' workers_team, test_learns' trainings on
 # corrupted caches). The session fixtures the first test files need at once (cached_workdir, s3_server) are built
 # by those tests, never queued.
 PREBUILT = ("trained_workdir", "reproduced_repo", "fitted_workdir", "learns[labels+1]", "learns[boxes*2]",
