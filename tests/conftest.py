@@ -57,9 +57,14 @@ def _trained_workdir(factory) -> Path:
 
 
 def _two_rank_workdir(factory) -> Path:
-    work = elastic_workdir(prebuild.get("cached_workdir"), factory.mktemp("two_ranks"), {"nproc_per_node": 2})
-    stage_cli("train", work)
+    work = elastic_workdir(prebuild.get("cached_workdir"), factory.mktemp("two_ranks") / "w", {"nproc_per_node": 2})
+    proc = stage_cli("train", work)
+    (work.parent / TWO_RANK_LOG).write_text(proc.stderr)
     return work
+
+
+# The stderr of `two_rank_workdir`'s train run, beside it (``two_rank_workdir.parent / TWO_RANK_LOG``).
+TWO_RANK_LOG = "two_rank_train.log"
 
 
 # The default pipeline's params in `reproduced_repo`: a 12-image dataset (pinned by its sha256), one epoch.
@@ -124,9 +129,9 @@ for _name, _build in (("learns_prepared", _learns_prepared), ("fitted_workdir", 
     prebuild.register(_name, _build)
 # Built in the background in this order when a selected test uses them: the order of first need in a full run
 # (`RUN_LATE` included): trained_workdir (test_evaluate), reproduced_repo (test_export), the learns trainings
-# (test_learns, test_predict, test_serve), two_rank_workdir (test_cluster, test_elastic), prefect_api (test_cluster),
-# killed_run (test_flows), workers_team (test_workers comes last); then any other registered build. The test
-# modules register their own (test_flows' killed_run, test_workers' workers_team, test_learns' trainings on
+# (test_learns, test_predict, test_serve), two_rank_workdir (test_cluster, test_distributed, test_elastic), prefect_api
+# (test_cluster), killed_run (test_flows), workers_team (test_workers comes last); then any other registered build.
+# The test modules register their own (test_flows' killed_run, test_workers' workers_team, test_learns' trainings on
 # corrupted caches). The session fixtures the first test files need at once (cached_workdir, s3_server) are built
 # by those tests, never queued.
 PREBUILT = ("trained_workdir", "reproduced_repo", "fitted_workdir", "learns[labels+1]", "learns[boxes*2]",
@@ -182,7 +187,8 @@ def trained_workdir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def two_rank_workdir(tmp_path_factory) -> Path:
-    """An uninterrupted single-node train run with 2 worker processes (world size 2) and ``ELASTIC_TRAIN``."""
+    """An uninterrupted single-node train run with 2 worker processes (world size 2) and ``ELASTIC_TRAIN``. Tests
+    must not modify it. The run's stderr is ``two_rank_workdir.parent / TWO_RANK_LOG``."""
     return prebuild.get("two_rank_workdir")
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import numpy as np
 import pytest
@@ -47,8 +48,17 @@ def test_ground_truth_as_detections_scores_perfect(cached_workdir):
     assert result.stats["AR100"] == pytest.approx(1.0)
 
 
-def test_evaluate_stage(trained_workdir):
-    proc = stage_cli("evaluate", trained_workdir)
+@pytest.fixture(scope="module")
+def evaluated(trained_workdir, tmp_path_factory):
+    """A copy of `trained_workdir` after the real evaluate stage (the params as they are: 1 process), and that
+    run's `subprocess.CompletedProcess`: ``(work, proc)``. Tests must not modify it: copy it."""
+    work = tmp_path_factory.mktemp("evaluated") / "w"
+    shutil.copytree(trained_workdir, work)
+    return work, stage_cli("evaluate", work)
+
+
+def test_evaluate_stage(evaluated):
+    trained_workdir, proc = evaluated       # the evaluate stage's run on a copy of `trained_workdir`
     metrics = json.loads((trained_workdir / "metrics/eval.json").read_text())
     assert list(metrics["bbox"]) == ["AP", "AP50", "AP75", "APs", "APm", "APl", "AR1", "AR10", "AR100", "ARs",
                                      "ARm", "ARl"]
@@ -88,14 +98,13 @@ def test_evaluate_stage(trained_workdir):
 
 
 @pytest.mark.slow
-def test_two_process_evaluate_equals_one(trained_workdir, tmp_path):
-    """evaluate.nproc_per_node: 2 ranks each predict half of val; rank 0 gathers: same stats as 1 process."""
-    import shutil
+def test_two_process_evaluate_equals_one(evaluated, tmp_path):
+    """evaluate.nproc_per_node: 2 ranks each predict half of val; rank 0 gathers: same stats as 1 process (the
+    1-process run is `evaluated`'s, shared with test_evaluate_stage)."""
     from support.pipeline import write_params
 
     work = tmp_path / "w"
-    shutil.copytree(trained_workdir, work)
-    stage_cli("evaluate", work)
+    shutil.copytree(evaluated[0], work)
     one = json.loads((work / "metrics/eval.json").read_text())
     write_params(work, {"evaluate": {"nproc_per_node": 2}})
     proc = stage_cli("evaluate", work)
@@ -114,7 +123,6 @@ def test_label_mapping_roundtrip(cached_workdir):
 
 
 def test_missing_model_is_one_line_error(cached_workdir, tmp_path):
-    import shutil
     work = tmp_path / "w"
     shutil.copytree(cached_workdir, work)
     proc = stage_cli("evaluate", work, check=False)

@@ -15,6 +15,7 @@ import time
 
 import pytest
 import torch
+import yaml
 
 from support.pipeline import stage_cli, write_params
 from support.procs import free_port, stage_env, stop_group
@@ -54,11 +55,15 @@ def test_two_node_job_keeps_ranks_equal(cached_workdir, tmp_path):
 
 
 @pytest.mark.slow
-def test_single_node_two_processes(cached_workdir, tmp_path):
-    work = _node(cached_workdir, tmp_path / "w", {"train": {"nproc_per_node": 2, "epochs": 1, "batch_size": 2,
-                                                            "threads": 1}})
-    proc = stage_cli("train", work)
-    d = _digests(proc.stderr)
+def test_single_node_two_processes(two_rank_workdir):
+    """One torchrun agent with 2 worker processes: both ranks end with the same weights. The run is the session's
+    `two_rank_workdir` (1 node, ``nproc_per_node: 2``, batch 2; the stage's real run, its stderr kept beside it),
+    the reference of the elastic and cluster tests, not a run of its own."""
+    from conftest import TWO_RANK_LOG
+
+    train = yaml.safe_load((two_rank_workdir / "params.yaml").read_text())["train"]
+    assert (str(train["nnodes"]), train["nproc_per_node"], train["batch_size"]) == ("1", 2, 2), train
+    d = _digests((two_rank_workdir.parent / TWO_RANK_LOG).read_text())
     assert set(d) == {0, 1} and d[0] == d[1]
 
 
