@@ -53,7 +53,7 @@ importer, ``datumaro/plugins/data_formats/cvat/base.py``, which CVAT's own expor
 - Image size: the ``<image>``'s ``width`` / ``height``, checked by the COCO path against the file as for COCO
   (``image_size_mismatch``: dropped with its objects); for EXIF orientations whose displayed size equals the
   stored one the boxes are handed over in the stored frame, as the LabelMe reader does
-  (`detpipe.data.labelme_reader.displayed_fix`).
+  (`detpipe.data.translate.displayed_fix`).
 - Boxes outside the image: the COCO rules, with ``annotations.xml`` and ``image '<name>' element <k>`` named in
   ``report.json``'s examples.
 - Errors (`StageError`, exit 2, naming the file, and the image and element where there is one): a DTD, entity or
@@ -79,8 +79,7 @@ from typing import Iterator
 from defusedxml import DTDForbidden, DefusedXmlException, EntitiesForbidden, ExternalReferenceForbidden
 from defusedxml.ElementTree import DefusedXMLParser
 
-from detpipe.data.labelme_reader import displayed_fix, polygon_area, to_stored
-from detpipe.data.translate import CocoWriter, Dataset, Translated
+from detpipe.data.translate import CocoWriter, Dataset, Translated, displayed_fix, polygon_area, to_stored
 from detpipe.errors import StageError
 
 log = logging.getLogger(__name__)

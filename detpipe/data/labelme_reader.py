@@ -81,10 +81,8 @@ import re
 from pathlib import Path
 
 import orjson
-from PIL import Image, UnidentifiedImageError
 
-from detpipe.data.translate import CocoWriter, Dataset, Translated
-from detpipe.data.yolo_reader import image_size
+from detpipe.data.translate import CocoWriter, Dataset, Translated, displayed_fix, polygon_area, to_stored
 from detpipe.errors import StageError
 
 log = logging.getLogger(__name__)
@@ -98,7 +96,6 @@ BOX_SHAPES = ("rectangle", "polygon")
 LIST_SKIPPED = ("__ignore__", "_background_")
 """labels.txt lines that are not classes (labelme's examples: ``__ignore__`` first, ``_background_`` id 0)."""
 _PEEK = 1 << 16
-_INVERSE = {2: 2, 3: 3, 4: 4, 5: 5, 6: 8, 7: 7, 8: 6}     # EXIF orientation -> its inverse
 _INT32_MAX = (1 << 31) - 1
 
 
@@ -181,13 +178,6 @@ def _number(v) -> float | None:
     except OverflowError:
         return None
     return f if math.isfinite(f) else None
-
-
-def polygon_area(xy: list[float]) -> float:
-    """Area in pixels^2 of the polygon ``[x1, y1, x2, y2, ...]`` (pixels; shoelace formula)."""
-    x, y = xy[0::2], xy[1::2]
-    n = len(x)
-    return abs(sum(x[i] * y[(i + 1) % n] - x[(i + 1) % n] * y[i] for i in range(n))) / 2
 
 
 def _merge(parts: list[tuple]) -> LabelMeObject:
@@ -305,33 +295,6 @@ def image_rel(json_rel: str, image_path: str, where: str) -> str:
     if rel == ".." or rel.startswith("../"):
         raise StageError(f"{where}: imagePath {image_path!r} points outside data/raw (rule 'labelme_json')")
     return rel
-
-
-def displayed_fix(path: Path, width: int, height: int) -> tuple[int, int, int] | None:
-    """``(width, height, orientation)`` of the image file ``path`` (displayed size in pixels, from the header) when
-    its annotations, given in the displayed frame with the size ``width`` x ``height``, must be handed to the COCO
-    path in the stored frame: EXIF orientation 2..8 and a displayed size equal to the stored one (2, 3, 4; 5..8 on
-    square images), which the COCO path takes as stored-raster coordinates. Else None (also for an unreadable file,
-    which the COCO path counts)."""
-    try:
-        w, h, orient = image_size(path)
-    except (OSError, UnidentifiedImageError, ValueError, Image.DecompressionBombError):
-        return None
-    if orient != 1 and (w, h) == (width, height) and (orient in (2, 3, 4) or w == h):
-        return w, h, orient
-    return None
-
-
-def to_stored(box: list[float], seg: list | None, fix: tuple[int, int, int]) -> tuple[list[float], list | None]:
-    """``box`` / ``seg`` (pixels, displayed frame) in the stored raster of the image `displayed_fix` described, so
-    that the COCO path's mapping from the stored raster gives them back."""
-    from detpipe.data.geometry import orient_box, orient_segmentation
-
-    w, h, orient = fix
-    box = orient_box(box, w, h, _INVERSE[orient])
-    if seg is not None:
-        seg = orient_segmentation(seg, w, h, _INVERSE[orient])
-    return box, seg
 
 
 def _count(section: dict, key: str, example: dict, by: str | None = None) -> None:

@@ -21,6 +21,62 @@ from pathlib import Path
 from typing import Callable
 
 import orjson
+from PIL import Image, UnidentifiedImageError
+
+
+_INVERSE = {2: 2, 3: 3, 4: 4, 5: 5, 6: 8, 7: 7, 8: 6}     # EXIF orientation -> its inverse
+
+
+def image_size(path: Path) -> tuple[int, int, int]:
+    """``(width, height, orientation)``: the image's displayed size in pixels (after EXIF orientation, from the
+    header only) and its EXIF orientation (1 when none or unknown). Raises OSError / PIL errors for unreadable
+    files (the caller counts them through the COCO path)."""
+    with Image.open(path) as im:
+        w, h = im.size
+        o = im.getexif().get(0x0112, 1)
+    if o not in _INVERSE:
+        o = 1
+    return (h, w, o) if o in (5, 6, 7, 8) else (w, h, o)
+
+
+def polygon_area(xy: list[float]) -> float:
+    """Area in pixels^2 of the polygon ``[x1, y1, x2, y2, ...]`` (pixels; shoelace formula)."""
+    x, y = xy[0::2], xy[1::2]
+    n = len(x)
+    return abs(sum(x[i] * y[(i + 1) % n] - x[(i + 1) % n] * y[i] for i in range(n))) / 2
+
+
+def needs_stored_frame(width: int, height: int, orientation: int) -> bool:
+    """Whether annotations given in the displayed frame of an image whose displayed size is ``width`` x ``height``
+    must be handed to the COCO path in the stored frame (`to_stored`): EXIF orientation 2..8 and a displayed size
+    equal to the stored one (2, 3, 4; 5..8 on square images), which the COCO path takes as stored-raster
+    coordinates."""
+    return orientation != 1 and (orientation in (2, 3, 4) or width == height)
+
+
+def displayed_fix(path: Path, width: int, height: int) -> tuple[int, int, int] | None:
+    """``(width, height, orientation)`` of the image file ``path`` (displayed size in pixels, from the header) when
+    its annotations, given in the displayed frame with the size ``width`` x ``height``, must be handed to the COCO
+    path in the stored frame (`needs_stored_frame`). Else None (also for an unreadable file, which the COCO path
+    counts)."""
+    try:
+        w, h, orient = image_size(path)
+    except (OSError, UnidentifiedImageError, ValueError, Image.DecompressionBombError):
+        return None
+    return (w, h, orient) if (w, h) == (width, height) and needs_stored_frame(w, h, orient) else None
+
+
+def to_stored(box: list[float], seg: list | None, fix: tuple[int, int, int]) -> tuple[list[float], list | None]:
+    """``box`` / ``seg`` (pixels, displayed frame) in the stored raster of the image ``fix`` = ``(width, height,
+    orientation)`` describes (displayed size), so that the COCO path's mapping from the stored raster gives them
+    back."""
+    from detpipe.data.geometry import orient_box, orient_segmentation
+
+    w, h, orient = fix
+    box = orient_box(box, w, h, _INVERSE[orient])
+    if seg is not None:
+        seg = orient_segmentation(seg, w, h, _INVERSE[orient])
+    return box, seg
 
 
 @dataclasses.dataclass

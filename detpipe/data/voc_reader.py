@@ -92,8 +92,7 @@ import defusedxml
 import defusedxml.ElementTree as SafeET
 from PIL import Image, UnidentifiedImageError
 
-from detpipe.data.translate import CocoWriter, Dataset, Translated
-from detpipe.data.yolo_reader import image_size
+from detpipe.data.translate import CocoWriter, Dataset, Translated, image_size
 from detpipe.errors import StageError
 
 log = logging.getLogger(__name__)

@@ -46,7 +46,8 @@ from pathlib import Path
 import yaml
 from PIL import Image, UnidentifiedImageError
 
-from detpipe.data.translate import CocoWriter, Dataset, Translated
+from detpipe.data.translate import (CocoWriter, Dataset, Translated, image_size, needs_stored_frame,
+                                    polygon_area, to_stored)
 from detpipe.errors import StageError
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,6 @@ log = logging.getLogger(__name__)
 IMAGE_SUFFIXES = {".bmp", ".dng", ".jpeg", ".jpg", ".mpo", ".png", ".tif", ".tiff", ".webp"}
 """Image file suffixes (lower case) a YOLO image folder is searched for (Ultralytics' ``IMG_FORMATS``)."""
 DATA_YAML = ("data.yaml", "data.yml")
-_INVERSE = {2: 2, 3: 3, 4: 4, 5: 5, 6: 8, 7: 7, 8: 6}     # EXIF orientation -> its inverse
 
 
 MARKER = "data.yaml with names"
@@ -172,18 +172,6 @@ def label_path(image: str) -> str:
     return "/".join(parts[:-1] + [stem + ".txt"])
 
 
-def image_size(path: Path) -> tuple[int, int, int]:
-    """``(width, height, orientation)``: the image's displayed size in pixels (after EXIF orientation, from the
-    header only) and its EXIF orientation (1 when none or unknown). Raises OSError / PIL errors for unreadable
-    files (the caller counts them through the COCO path)."""
-    with Image.open(path) as im:
-        w, h = im.size
-        o = im.getexif().get(0x0112, 1)
-    if o not in _INVERSE:
-        o = 1
-    return (h, w, o) if o in (5, 6, 7, 8) else (w, h, o)
-
-
 _NUMBER = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
 
 
@@ -219,12 +207,6 @@ def parse_label_line(line: str, file: str, lineno: int, num_classes: int) -> tup
     return c, out
 
 
-def _polygon_area(xy: list[float]) -> float:
-    x, y = xy[0::2], xy[1::2]
-    n = len(x)
-    return abs(sum(x[i] * y[(i + 1) % n] - x[(i + 1) % n] * y[i] for i in range(n))) / 2
-
-
 def to_coco(data: YoloData, images: list[str], raw_root: Path, out: Path, split: str, report: dict) -> Translated:
     """Translate one split's images and their label files into the COCO instances file ``out`` (streamed: one
     image's labels at a time, through `detpipe.data.translate.CocoWriter`).
@@ -234,8 +216,6 @@ def to_coco(data: YoloData, images: list[str], raw_root: Path, out: Path, split:
     Raises:
         StageError: a malformed label line (see `parse_label_line`), naming the file and line.
     """
-    from detpipe.data.geometry import orient_box, orient_segmentation
-
     t = Translated(out, f"{data.path} ('{split}' images)", images, label_path, "line")
     writer = CocoWriter(t)
     neg = report.setdefault("images_without_labels", {"count": 0, "examples": []})
@@ -274,13 +254,11 @@ def to_coco(data: YoloData, images: list[str], raw_root: Path, out: Path, split:
                 xs, ys = xy[0::2], xy[1::2]
                 box = [min(xs), min(ys), max(xs) - min(xs), max(ys) - min(ys)]
                 seg = [xy]
-                area = _polygon_area(xy)
-            if orient != 1 and (w, h) == (h, w) or orient in (2, 3, 4):
+                area = polygon_area(xy)
+            if needs_stored_frame(w, h, orient):
                 # the COCO path maps boxes from the stored raster when the size does not tell the frames
                 # apart: give it the stored-raster box, which it maps back to the displayed frame
-                box = orient_box(box, w, h, _INVERSE[orient])
-                if seg is not None:
-                    seg = orient_segmentation(seg, w, h, _INVERSE[orient])
+                box, seg = to_stored(box, seg, (w, h, orient))
             writer.annotation(image_id, cls, box, area, 0, k, lineno, seg)
     return writer.close(categories(data))
 
