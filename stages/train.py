@@ -3,7 +3,7 @@
 ``python -m stages.train`` (the DVC stage command) checks params and inputs, then launches
 ``torchrun --rdzv-backend c10d ... -m stages.train`` (`detpipe.launch.jobs`; under Slurm with ``train.launcher:
 slurm``); each worker (detected by torchrun's ``LOCAL_RANK`` variable) trains with DDP — gloo on CPU, nccl on
-CUDA. A worker binds itself to its launcher as it starts, before it imports torch: the kernel kills it when
+CUDA. A worker binds itself to its launcher as it starts (exec'd: before it imports torch): the kernel kills it when
 the launcher dies, at once if the launcher died before (`detpipe.lifeline.die_with_launcher`), so a ``kill -9``
 of the stage never leaves workers training on beside the next run. ``python -m stages.train --emit slurm|k8s``
 writes the Slurm script / Kubernetes manifest instead (docs/multi-node.md).
@@ -30,7 +30,10 @@ from detpipe.errors import run_program
 from detpipe.lifeline import die_with_launcher
 
 # Only light modules above (standard library only); the rest (torch, pydantic, pyarrow) is imported in `main`,
-# so that a worker is bound to its launcher before it imports them.
+# so that a worker started by exec is bound to its launcher before it imports them.
+
+# What torchrun's agent imports once before it forks the workers (`detpipe.launch.torchrun.WORKER_START_ENV`).
+WORKER_PRELOAD = ("detpipe.engine.trainer", "detpipe.engine.distributed")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -63,7 +66,10 @@ def main(argv: list[str] | None = None) -> None:
             jobs.write_job(cfg, args.emit, args.out)
         else:
             from detpipe.engine.checkpoints import check_resume  # torch, not torchvision
+            from detpipe.launch.torchrun import prepare_fork, worker_start
 
+            if worker_start() == "fork":
+                prepare_fork()  # before anything runs in torch: the workers are forked from this process
             check_resume(cfg)  # a resume every worker would refuse: one line here, no restarted workers
             jobs.check_and_launch(cfg)
 

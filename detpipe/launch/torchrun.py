@@ -39,7 +39,7 @@ from typing import Iterator
 import psutil
 
 from detpipe.errors import StageError
-from detpipe.lifeline import LAUNCHER_PID_ENV
+from detpipe.lifeline import LAUNCHER_PID_ENV, die_with_launcher
 from detpipe.worker_env import COLLECTIVE_TIMEOUT_ENV
 
 log = logging.getLogger("detpipe.launch.torchrun")
@@ -235,28 +235,160 @@ def agent_fixes(ready: dict[int, socket.socket] | None = None) -> Iterator[None]
             sock.close()
 
 
+WORKER_START_ENV = "DETPIPE_WORKER_START"
+"""How the elastic agent starts its workers: ``fork`` (the default on Linux) or ``exec``.
+
+``exec`` is plain torchrun: each worker is a new interpreter, ``python -u -m <module>``, which imports torch,
+torchvision and the stage's code again (about 4.5 s of CPU per worker on this project's 2-core CI machine,
+`benchmarks.worker_start`). ``fork``: the agent imports the worker module's ``WORKER_PRELOAD`` modules once
+(``stages.train``: the trainer), then forks each worker from itself (torch's own function-entrypoint path,
+``LaunchConfig.start_method="fork"``), and the worker runs the module as ``python -m`` would
+(`run_forked_worker`). The agent must not have initialised CUDA or started an OpenMP thread team (neither survives
+a fork): it keeps torch to one intra-op thread until it forks (`prepare_fork`), and falls back to ``exec`` when
+CUDA is initialised. Other values are an error."""
+
+WORKER_PRELOAD = "WORKER_PRELOAD"
+"""The name of the tuple of module names a worker module (``stages.train``) asks the agent to import before it
+forks the workers (`WORKER_START_ENV`)."""
+
+
+def worker_start() -> str:
+    """``fork`` or ``exec`` per `WORKER_START_ENV` (default ``fork``; ``exec`` outside Linux and once this process
+    has initialised CUDA). Raises `StageError` on another value."""
+    choice = os.environ.get(WORKER_START_ENV, "fork")
+    if choice not in ("fork", "exec"):
+        raise StageError(f"${WORKER_START_ENV}={choice!r}: expected fork or exec")
+    if choice == "fork" and not sys.platform.startswith("linux"):
+        return "exec"
+    if choice == "fork" and "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized():
+        log.info("CUDA is initialised in the agent: starting the workers with exec instead of fork")
+        return "exec"
+    return choice
+
+
+def prepare_fork() -> None:
+    """Make this process safe to fork workers from, before it runs anything in torch: one intra-op thread (no
+    OpenMP thread team to inherit: GNU OpenMP's does not survive a fork; the worker sets its own count,
+    `run_forked_worker`). Call it first thing in a launcher that may fork (`detpipe.launch.jobs`), as
+    `run_torchrun` does."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def worker_name(module: str, local_rank: int | str) -> str:
+    """The process name (``/proc/PID/comm``, what ``ps``, ``top`` and ``psutil.Process.name`` show; 15 bytes at most)
+    of a forked worker: ``<stage>-r<local rank>``, e.g. ``train-r0`` for ``stages.train``."""
+    return f"{module.rpartition('.')[2][:10]}-r{local_rank}"[:15]
+
+
+def worker_local_rank(process) -> int | None:
+    """The local rank of a torchrun worker (a `psutil.Process`): ``LOCAL_RANK`` in its environment (an ``exec``
+    worker) or its `worker_name` (a forked one); None for any other process. `psutil.Error` propagates."""
+    env_rank = process.environ().get("LOCAL_RANK")
+    if env_rank is not None:
+        return int(env_rank)
+    stem, _, rank = process.name().rpartition("-r")
+    return int(rank) if stem and rank.isdigit() and process.name() == worker_name(stem, rank) else None
+
+
+def run_forked_worker(module: str, *script_args: str) -> None:
+    """A forked worker's entry point (in the worker process; `WORKER_START_ENV`): start as a new interpreter
+    would and run ``module`` as ``python -u -m module *script_args`` does.
+
+    First it names itself (`worker_name`: what ``ps`` shows), takes a session of its own as torchrun's ``exec``
+    workers have (a signal to the launcher's process group, a terminal's Ctrl-C, does not reach the workers: the
+    agent stops them) and binds itself to the launcher's life (`detpipe.lifeline.die_with_launcher`). Then the
+    agent's state that a new interpreter would not have is reset: its signal handlers and wakeup fd (torchrun's
+    agent turns SIGTERM into an exception), its ``atexit`` functions (the worker runs its own at the end: a forked
+    process leaves through ``os._exit``), stdout/stderr line-buffered (the agent sets ``PYTHONUNBUFFERED`` for
+    ``exec`` workers), torch's intra-op threads from ``OMP_NUM_THREADS`` as torch reads it at import, ``sys.argv``.
+    An exception other than `SystemExit` prints its traceback, as an interpreter does, before it propagates
+    (torch's multiprocessing wrapper only queues it)."""
+    import atexit
+    import runpy
+    import signal
+    import traceback
+
+    import torch
+
+    set_process_name(worker_name(module, os.environ.get("LOCAL_RANK", "0")))  # first: what `ps` shows
+    os.setsid()
+    die_with_launcher()
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.set_wakeup_fd(-1)
+    atexit._clear()
+    for stream in (sys.stdout, sys.stderr):
+        stream.reconfigure(line_buffering=True)
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0 else (os.cpu_count() or 1))
+    sys.argv = [module, *script_args]
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit:
+        raise
+    except BaseException:
+        traceback.print_exc()
+        raise
+    finally:
+        atexit._run_exitfuncs()
+
+
+def set_process_name(name: str) -> None:
+    """Set this process's name (Linux ``prctl(PR_SET_NAME)``, at most 15 bytes: longer is cut); nothing on other
+    systems."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(15, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
+
+
+def _preload(module: str) -> None:
+    import importlib
+
+    for name in getattr(importlib.import_module(module), WORKER_PRELOAD, ()):
+        importlib.import_module(name)
+
+
 def run_torchrun(argv: list[str], env: dict[str, str] | None = None,
                  ready: dict[int, socket.socket] | None = None) -> None:
     """Run ``torchrun <argv>`` in this process (the elastic agent), with ``env`` added to the environment the
     workers inherit, and ``$DETPIPE_LAUNCHER_PID`` (`detpipe.lifeline.LAUNCHER_PID_ENV`) set to this process's
     pid: the workers' parent, whose death kills them (`detpipe.lifeline.die_with_launcher`); loopback stores
-    bound to 127.0.0.1 only and restarted nodes able to rejoin (`agent_fixes`). A failed job becomes a one-line
-    `StageError` naming the first failed rank and its exit code (the worker's own message is printed above it)
-    instead of torchrun's traceback.
+    bound to 127.0.0.1 only and restarted nodes able to rejoin (`agent_fixes`). The workers are forked from this
+    process or started as new interpreters (`WORKER_START_ENV`; ``argv`` must end in ``-m <module> [args]``
+    for ``fork``). A failed job becomes a one-line `StageError` naming the first failed rank and its exit code
+    (the worker's own message is printed above it) instead of torchrun's traceback.
 
     Raises:
         StageError: the worker group failed more than ``--max-restarts`` times, or the rendezvous failed.
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
-    from torch.distributed.run import parse_args, run
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args, parse_args
 
+    start = worker_start()
+    if start == "fork":
+        prepare_fork()
     os.environ.update({**(env or {}), LAUNCHER_PID_ENV: str(os.getpid())})  # the workers' parent: this process
     logging.getLogger("torch.distributed.elastic").setLevel(logging.WARNING)
-    log.info("launching: torchrun %s", " ".join(argv))
+    log.info("launching: torchrun %s (workers started by %s)", " ".join(argv), start)
+    args = parse_args(argv)
+    if args.master_port is None:  # as torch.distributed.run.run (unused by the c10d rendezvous)
+        args.master_port = 29500
     try:
         with agent_fixes(ready):
-            run(parse_args(argv))
+            config, cmd, cmd_args = config_from_args(args)
+            if start == "fork" and args.module:
+                _preload(args.training_script)
+                config.start_method = "fork"
+                elastic_launch(config=config, entrypoint=run_forked_worker)(args.training_script,
+                                                                            *args.training_script_args)
+            else:
+                elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
     except ChildFailedError as e:
         rank, failure = next(iter(e.failures.items()))
         raise StageError(f"{argv[-1]} failed: rank {rank} exited with code {failure.exitcode} "

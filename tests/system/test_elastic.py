@@ -16,6 +16,7 @@ import psutil
 import pytest
 import torch
 
+from detpipe.launch.torchrun import worker_local_rank
 from support.pipeline import assert_same_training_state, checkpoint, checkpoints, elastic_workdir, write_params
 from support.procs import stage_env
 from support.procs import free_port
@@ -35,12 +36,12 @@ def _wait_for(path: Path, procs: list[subprocess.Popen], timeout: float = 400) -
 
 
 def _workers(agent_pid: int) -> dict[int, psutil.Process]:
-    """The agent's worker processes by local rank (read from their environment)."""
+    """The agent's worker processes by local rank (`detpipe.launch.torchrun.worker_local_rank`)."""
     out = {}
     for child in psutil.Process(agent_pid).children():
-        env = child.environ()
-        if "LOCAL_RANK" in env:
-            out[int(env["LOCAL_RANK"])] = child
+        rank = worker_local_rank(child)
+        if rank is not None:
+            out[rank] = child
     return out
 
 

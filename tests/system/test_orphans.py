@@ -21,6 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from detpipe.launch.torchrun import WORKER_START_ENV, worker_local_rank
 from support.pipeline import checkpoints, write_params
 from support.procs import stage_env
 
@@ -31,11 +32,12 @@ QUIET_S = 3.0   # then how long checkpoints/ and models/ must stay as they were
 
 
 def _workers(launcher: psutil.Process, known: dict[int, psutil.Process]) -> dict[int, psutil.Process]:
-    """``known`` plus the launcher's children that are torchrun workers by now (``LOCAL_RANK`` in their
-    environment: they have exec'd ``python -m stages.train``)."""
+    """``known`` plus the launcher's children that are torchrun workers by now
+    (`detpipe.launch.torchrun.worker_local_rank`: a forked worker once it has named itself, an exec'd one once it
+    has exec'd ``python -m stages.train``)."""
     for child in launcher.children():
         try:
-            if child.pid not in known and "LOCAL_RANK" in child.environ():
+            if child.pid not in known and worker_local_rank(child) is not None:
                 known[child.pid] = child
         except psutil.Error:
             continue
@@ -54,8 +56,8 @@ def _importing_torch(workers: dict[int, psutil.Process]) -> bool:
 
 
 MOMENTS = {  # when to kill: a predicate of (workdir, workers found so far)
-    "started": lambda work, workers: bool(workers),                # exec'd, before its imports
-    "importing": lambda work, workers: _importing_torch(workers),  # mid-import (torch)
+    "started": lambda work, workers: bool(workers),                # forked and named, or exec'd, before its imports
+    "importing": lambda work, workers: _importing_torch(workers),  # mid-import (torch; an exec'd worker)
     "training": lambda work, workers: bool(checkpoints(work)),    # after its imports: first checkpoint written
 }
 
@@ -82,15 +84,19 @@ def _snapshot(work: Path) -> dict[str, tuple[int, int]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("moment, nproc", [("started", 2), ("importing", 1), ("training", 2)])
-def test_kill9_of_stage_group_leaves_no_worker(cached_workdir, tmp_path, moment, nproc):
-    """SIGKILL of the stage's process group at ``moment`` of its ``nproc`` workers' start-up: every worker is
-    gone within `DIE_S` seconds and ``checkpoints/`` and ``models/`` stay as they were at the kill."""
+@pytest.mark.parametrize("moment, nproc, start", [("started", 2, "fork"), ("importing", 1, "exec"),
+                                                  ("training", 2, "fork")])
+def test_kill9_of_stage_group_leaves_no_worker(cached_workdir, tmp_path, moment, nproc, start):
+    """SIGKILL of the stage's process group at ``moment`` of its ``nproc`` workers' start-up, the workers started
+    by ``start`` (`detpipe.launch.torchrun.WORKER_START_ENV`; only an exec'd worker imports torch after it starts):
+    every worker is gone within `DIE_S` seconds and ``checkpoints/`` and ``models/`` stay as they were at the
+    kill."""
     work = Path(os.path.realpath(tmp_path / "work"))
     shutil.copytree(cached_workdir / "data", work / "data")
     write_params(work, {"train": {**TRAIN, "nproc_per_node": nproc}})
     with open(tmp_path / "stage.log", "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "stages.train"], cwd=work, env=stage_env(), stdout=log,
+        proc = subprocess.Popen([sys.executable, "-m", "stages.train"], cwd=work,
+                                env={**stage_env(), WORKER_START_ENV: start}, stdout=log,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     launcher, workers = psutil.Process(proc.pid), {}
     try:
