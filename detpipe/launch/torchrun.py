@@ -325,6 +325,7 @@ def run_forked_worker(module: str, *script_args: str) -> None:
     threads = os.environ.get("OMP_NUM_THREADS", "")
     torch.set_num_threads(int(threads) if threads.isdigit() and int(threads) > 0 else (os.cpu_count() or 1))
     sys.argv = [module, *script_args]
+    sys.modules.pop(module, None)  # imported by the agent for its WORKER_PRELOAD: run it afresh, as ``-m`` does
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
     except SystemExit:
@@ -391,10 +392,10 @@ def run_torchrun(argv: list[str], env: dict[str, str] | None = None,
                 elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
     except ChildFailedError as e:
         rank, failure = next(iter(e.failures.items()))
-        raise StageError(f"{argv[-1]} failed: rank {rank} exited with code {failure.exitcode} "
+        raise StageError(f"{args.training_script} failed: rank {rank} exited with code {failure.exitcode} "
                          f"(see its message above)") from None
     except RendezvousError as e:
-        raise StageError(f"{argv[-1]}: rendezvous at {argv[argv.index('--rdzv-endpoint') + 1]} failed: "
+        raise StageError(f"{args.training_script}: rendezvous at {args.rdzv_endpoint} failed: "
                          f"{type(e).__name__}: {e}") from None
 
 
