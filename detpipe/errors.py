@@ -2,7 +2,6 @@
 signal that interrupted the stage (exit status 128 + signal number, the shell's convention)."""
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import signal
@@ -107,12 +106,6 @@ def run_program(main: Callable[[], None], stage: str | None = None) -> None:
     ``stage`` defaults to the last part of ``main``'s module name (``python -m stages.convert`` -> ``convert``). In a torchrun
     worker (``LOCAL_RANK`` set) only rank 0 reports an interrupt; when the launcher is a `run_program` too, rank 0
     hands its message to the launcher, which prints it, so the user sees one line.
-
-    When ``main`` is done, its objects are frozen (``gc.freeze``): the interpreter's exit then skips the
-    collection of every object the program made or imported, which after ``import torchvision`` (torch, dynamo,
-    sympy) takes ~1.3 s of CPU per process on a 2-core CI machine (``python -c "import torchvision"`` exits in
-    4.9 s, 3.6 s frozen). Exit handlers, thread joins and objects freed by reference counting run as before; only
-    objects in reference cycles are left to the operating system.
     """
     if stage is None:
         module = main.__module__
@@ -153,7 +146,6 @@ def run_program(main: Callable[[], None], stage: str | None = None) -> None:
     finally:
         if note is not None:
             note.unlink(missing_ok=True)
-        gc.freeze()  # the program is done: no collection of its objects at exit (see below)
 
 
 def _read_note(note: Path | None) -> tuple[int, str] | None:
