@@ -3,8 +3,10 @@ so a process binds itself first thing, before heavy imports. The one ``prctl`` b
 used by `detpipe.ops.processes`'s guard).
 
 Users: a torchrun worker of a stage (`die_with_launcher`, called first thing by a forked worker,
-`detpipe.launch.torchrun.run_forked_worker`, and by ``python -m stages.train`` before it imports torch), so a ``kill -9`` of the stage never leaves orphan workers writing checkpoints beside a rerun; the flow-run
-process started by serve or a Prefect worker (``flows/train.py``, see `detpipe.ops.processes`).
+`detpipe.launch.torchrun.run_forked_worker`, and by ``python -m stages.train`` before it imports torch), so a
+``kill -9`` of the stage never leaves orphan workers writing checkpoints beside a rerun; the flow-run process
+started by serve or a Prefect worker (``flows/train.py``, see `detpipe.ops.processes`); a forked worker naming
+itself (`PR_SET_NAME`).
 """
 from __future__ import annotations
 
@@ -16,12 +18,13 @@ import sys
 # Set by the launcher (`detpipe.launch.torchrun.run_torchrun`, the elastic agent in the launcher's own process) for its
 # workers: the pid of their parent, so a worker that starts after its launcher died notices.
 LAUNCHER_PID_ENV = "DETPIPE_LAUNCHER_PID"
-PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36  # <linux/prctl.h>
+PR_SET_PDEATHSIG, PR_SET_NAME, PR_SET_CHILD_SUBREAPER = 1, 15, 36  # <linux/prctl.h>
 
 
-def prctl(option: int, value: int) -> None:
+def prctl(option: int, value: int | bytes) -> None:
     """Linux ``prctl(option, value, 0, 0, 0)`` through libc (e.g. `PR_SET_PDEATHSIG` with a signal number,
-    `PR_SET_CHILD_SUBREAPER` with 1); nothing on other systems. The call's status is not checked."""
+    `PR_SET_CHILD_SUBREAPER` with 1, `PR_SET_NAME` with a name of at most 15 bytes, passed as a ``char *``); nothing
+    on other systems. The call's status is not checked."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(option, value, 0, 0, 0)
 

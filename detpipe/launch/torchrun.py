@@ -39,7 +39,7 @@ from typing import Iterator
 import psutil
 
 from detpipe.errors import StageError
-from detpipe.lifeline import LAUNCHER_PID_ENV, die_with_launcher
+from detpipe.lifeline import LAUNCHER_PID_ENV, PR_SET_NAME, die_with_launcher, prctl
 from detpipe.worker_env import COLLECTIVE_TIMEOUT_ENV
 
 log = logging.getLogger("detpipe.launch.torchrun")
@@ -269,8 +269,8 @@ def worker_start() -> str:
 def prepare_fork() -> None:
     """Make this process safe to fork workers from, before it runs anything in torch: one intra-op thread (no
     OpenMP thread team to inherit: GNU OpenMP's does not survive a fork; the worker sets its own count,
-    `run_forked_worker`). Call it first thing in a launcher that may fork (`detpipe.launch.jobs`), as
-    `run_torchrun` does."""
+    `run_forked_worker`). `run_torchrun` calls it; a launcher that runs torch before (``python -m stages.train``
+    checks the checkpoint to resume) calls it first thing."""
     import torch
 
     torch.set_num_threads(1)
@@ -338,12 +338,9 @@ def run_forked_worker(module: str, *script_args: str) -> None:
 
 
 def set_process_name(name: str) -> None:
-    """Set this process's name (Linux ``prctl(PR_SET_NAME)``, at most 15 bytes: longer is cut); nothing on other
-    systems."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(15, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
+    """Set this process's name (``prctl(PR_SET_NAME)``, `detpipe.lifeline.prctl`; cut to 15 bytes); nothing outside
+    Linux."""
+    prctl(PR_SET_NAME, name.encode()[:15])
 
 
 def _preload(module: str) -> None:
