@@ -32,10 +32,16 @@ from support.procs import run
 
 def pytest_configure(config):
     # Tag everything the tests start (os.environ["DETPIPE_TEST_RUN"]) and start a watchdog that kills it when
-    # this pytest process exits, even by SIGKILL. Main process only, not in an xdist worker.
-    if not hasattr(config, "workerinput"):
-        from support import reaper
-        reaper.start()
+    # this pytest process exits, even by SIGKILL. Under xdist, in the controller and in each worker (whose token
+    # is appended to the controller's): a worker's processes die with it or with the controller, and each worker
+    # has its own `reaper.guard_dir` list.
+    from support import reaper
+    reaper.start()
+    if not hasattr(config, "workerinput") and config.getoption("numprocesses", None):
+        # Under xdist (before the workers start, so they and all they start inherit it): one intra-op thread per
+        # process unless set; N workers already keep N cores busy, and a second OpenMP thread in evaluate or
+        # export only spins on a core the other worker needs (~15 % more CPU per evaluate run).
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 # ---------------------------------------------------------------------------------------------- builds
@@ -126,7 +132,7 @@ for _name, _build in (("learns_prepared", _learns_prepared), ("fitted_workdir", 
                       ("cached_workdir", _cached_workdir), ("trained_workdir", _trained_workdir),
                       ("two_rank_workdir", _two_rank_workdir), ("reproduced_repo", _reproduced_repo),
                       ("prefect_api", _prefect_api), ("s3_server", _s3_server)):
-    prebuild.register(_name, _build)
+    prebuild.register(_name, _build, shared=_name not in ("prefect_api", "s3_server"))     # servers: per process
 # Built in the background in this order when a selected test uses them: the order of first need in a full run
 # (`RUN_LATE` included): trained_workdir (test_evaluate), reproduced_repo (test_export), the learns trainings
 # (test_learns, test_predict, test_serve), two_rank_workdir (test_cluster, test_distributed, test_elastic), prefect_api
@@ -145,25 +151,73 @@ RUN_LATE = ("tests/stages/test_learns.py", "tests/stages/test_predict.py", "test
             "tests/stages/test_serve.py")
 
 
+# Under pytest-xdist (README: ``-n 2``) each test module is one unit of work, sent whole to one worker (its module
+# fixtures are built once), except these, one unit together and sent first (the longest): they share the
+# per-process Prefect server (`prefect_api`, and the local builds that use it) and the network-namespace test hosts
+# at fixed 198.18.0.0/15 addresses, which two workers must not set up at once.
+ONE_WORKER = ("tests/system/test_cluster.py", "tests/system/test_elastic.py", "tests/system/test_distributed.py",
+              "tests/system/test_flows.py", "tests/system/test_workers.py")
+ONE_WORKER_GROUP = "cluster_and_prefect"
+
+
+def _unit(nodeid: str) -> str:
+    """The xdist unit of work of test ``nodeid``: its module's path, or `ONE_WORKER_GROUP`."""
+    path = nodeid.split("::")[0]
+    return ONE_WORKER_GROUP if path in ONE_WORKER else path
+
+
+@pytest.hookimpl(optionalhook=True)      # a hook of pytest-xdist: this conftest also loads without it
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's scheduler for ``-n N``: its module scheduling (``--dist loadfile``) with `_unit` as the unit, units
+    sent in collection order. (``--dist loadgroup``'s ``xdist_group`` mark rewrites ``Item._nodeid``, which
+    pytest 9 no longer reads: it would silently send every test alone.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit(nodeid)
+
+    config.option.loadscopereorder = False
+    return ModuleScheduling(config, log)
+
+
 def pytest_collection_modifyitems(session, config, items):
     levels = config.getini("testpaths")
+    xdist = hasattr(config, "workerinput")
 
     def key(item):
         path = item.nodeid.split("::")[0]
         level = next((n for n, top in enumerate(levels) if path.startswith(top + "/")), len(levels))
-        return level, path in RUN_LATE
+        return (xdist and path not in ONE_WORKER), level, path in RUN_LATE
 
     items.sort(key=key)     # stable: file order otherwise
 
 
 def pytest_collection_finish(session):
-    prebuild.set_factory(session.config._tmp_path_factory)   # what the tmp_path_factory fixture returns
+    worker = getattr(session.config, "workerinput", None)
+    factory = session.config._tmp_path_factory                 # what the tmp_path_factory fixture returns
+    prebuild.set_factory(factory, factory.getbasetemp().parent if worker else None)
     if os.environ.get("DETPIPE_TEST_PREBUILD", "1") == "0" or not session.items:
         return
     used = set().union(*(getattr(item, "fixturenames", ()) for item in session.items))
     builds = prebuild.registered()
-    order = [*PREBUILT, *(n for n in builds if n not in PREBUILT and n not in BUILT_FIRST_BY_TESTS)]
-    prebuild.schedule([name for name in order if builds.get(name) in used])
+    order = [n for n in (*PREBUILT, *builds) if n in builds and n not in BUILT_FIRST_BY_TESTS]
+    order = list(dict.fromkeys(order))
+    prebuild.schedule([name for name in order if builds[name] in used])
+    if worker:      # the local builds (servers, runs on them): by the worker that gets the tests needing them
+        session.config._detpipe_local_builds = {_unit(item.nodeid): [] for item in session.items}
+        for item in session.items:
+            wanted = session.config._detpipe_local_builds[_unit(item.nodeid)]
+            wanted += [n for n in order if not prebuild.is_shared(n) and builds[n] in item.fixturenames
+                       and n not in wanted]
+
+
+def pytest_runtest_setup(item):
+    local = getattr(item.config, "_detpipe_local_builds", None)
+    if local is not None and os.environ.get("DETPIPE_TEST_PREBUILD", "1") != "0":
+        names = local.pop(_unit(item.nodeid), None)
+        if names:
+            prebuild.schedule_local(names)
 
 
 def pytest_sessionfinish(session):

@@ -306,7 +306,7 @@ def _killed_run(factory) -> dict:
         stop_group(prefect.procs)
 
 
-prebuild.register("killed_run", _killed_run)
+prebuild.register("killed_run", _killed_run, shared=False)    # runs on this process's Prefect server
 
 
 @pytest.fixture(scope="module")

@@ -199,7 +199,7 @@ def _workers_team(factory) -> dict:
         stop_group(prefect.procs)
 
 
-prebuild.register("workers_team", _workers_team)
+prebuild.register("workers_team", _workers_team, shared=False)    # runs on this process's Prefect server
 
 
 @pytest.fixture(scope="module")
