@@ -2,6 +2,7 @@
 signal that interrupted the stage (exit status 128 + signal number, the shell's convention)."""
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -105,7 +106,8 @@ def run_program(main: Callable[[], None], stage: str | None = None) -> None:
 
     ``stage`` defaults to the last part of ``main``'s module name (``python -m stages.convert`` -> ``convert``). In a torchrun
     worker (``LOCAL_RANK`` set) only rank 0 reports an interrupt; when the launcher is a `run_program` too, rank 0
-    hands its message to the launcher, which prints it, so the user sees one line.
+    hands its message to the launcher, which prints it, so the user sees one line. Before ``main`` runs, the
+    objects made so far (the imports) are frozen (`gc.freeze`).
     """
     if stage is None:
         module = main.__module__
@@ -124,6 +126,10 @@ def run_program(main: Callable[[], None], stage: str | None = None) -> None:
         note = Path(tempfile.gettempdir()) / f"detpipe-interrupt-{os.getpid()}"
         note.unlink(missing_ok=True)
         os.environ[_NOTE_ENV] = str(note)
+    # What the program imported so far (torch, torchvision: millions of objects that live until exit) goes to
+    # the collector's permanent generation: no later collection traverses it again, nor the one at exit (about
+    # 0.7 s of CPU per stage process that imported torchvision; objects made from here on are collected as before).
+    gc.freeze()
     try:
         main()
     except StageError as e:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import gc
 import hashlib
 import ipaddress
 import json
@@ -382,6 +383,7 @@ def run_torchrun(argv: list[str], env: dict[str, str] | None = None,
             config, cmd, cmd_args = config_from_args(args)
             if start == "fork" and args.module:
                 _preload(args.training_script)
+                gc.freeze()     # the imports: never traversed again by a collection, here or in a forked worker
                 config.start_method = "fork"
                 elastic_launch(config=config, entrypoint=run_forked_worker)(args.training_script,
                                                                             *args.training_script_args)
