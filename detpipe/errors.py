@@ -50,6 +50,11 @@ def received_signal() -> int | None:
 
 def _raise_interrupted(signum, frame) -> None:
     global _received
+    if _received is not None:
+        # Stopping already: a second SIGTERM/SIGINT (another sender, or `_watch_signals`' nudge racing the first
+        # one's handler) must not abort the cleanup under way - `atomic_open` removing its temporary file, the
+        # ``finally`` blocks - which would leave a half-written file. SIGKILL still stops the process at once.
+        return
     _received = signum
     raise Interrupted(signum)
 
