@@ -10,8 +10,9 @@ another). What is expensive is built once per test run and reused:
 * ``learns_prepared`` / ``fitted_workdir``: the learns test's 4 images, and the detector that fits them.
 
 The session fixtures in `PREBUILT` that the selected tests use are built ahead of need, one at a time, by a
-background thread while the first tests run (`support.prebuild`): most tests keep one core busy, the fixtures
-use the other.
+background thread while the first tests run (`support.prebuild`). Under pytest-xdist (``-n 2``, README command 2)
+each module runs whole on one worker (`pytest_xdist_make_scheduler`), the shared fixtures are built once for both
+workers, and the servers once per worker that needs them.
 
 Everything the tests start carries this run's token in its environment and dies with the pytest process,
 even a SIGKILLed one (`support.reaper`).
@@ -205,19 +206,21 @@ def pytest_collection_finish(session):
     order = list(dict.fromkeys(order))
     prebuild.schedule([name for name in order if builds[name] in used])
     if worker:      # the local builds (servers, runs on them): by the worker that gets the tests needing them
-        session.config._detpipe_local_builds = {_unit(item.nodeid): [] for item in session.items}
         for item in session.items:
-            wanted = session.config._detpipe_local_builds[_unit(item.nodeid)]
+            wanted = _LOCAL_BUILDS.setdefault(_unit(item.nodeid), [])
             wanted += [n for n in order if not prebuild.is_shared(n) and builds[n] in item.fixturenames
                        and n not in wanted]
 
 
+# Under xdist: {unit: the local builds its tests use}, filled at the end of collection; a worker starts building a
+# unit's before its first test (`prebuild.schedule_local`).
+_LOCAL_BUILDS: dict[str, list[str]] = {}
+
+
 def pytest_runtest_setup(item):
-    local = getattr(item.config, "_detpipe_local_builds", None)
-    if local is not None and os.environ.get("DETPIPE_TEST_PREBUILD", "1") != "0":
-        names = local.pop(_unit(item.nodeid), None)
-        if names:
-            prebuild.schedule_local(names)
+    names = _LOCAL_BUILDS.pop(_unit(item.nodeid), None)
+    if names:
+        prebuild.schedule_local(names)
 
 
 def pytest_sessionfinish(session):

@@ -85,6 +85,7 @@ _is_shared: dict[str, bool] = {}
 _factory: Any = None
 _shared: Path | None = None
 _stopping = False
+_background_lock: int | None = None     # under xdist: the descriptor whose flock makes this the run's builder
 
 
 def register(name: str, build: Callable[[Any], Any], fixture: str | None = None, shared: bool = True) -> None:
@@ -135,10 +136,10 @@ def schedule(names: list[str]) -> threading.Thread | None:
         names = [n for n in names if _is_shared[n]]
         if not names:
             return None
-        fd = _lock_file("background", block=False)
-        if fd is None:          # another worker's thread builds them
+        global _background_lock
+        _background_lock = _lock_file("background", block=False)   # held until this process exits
+        if _background_lock is None:          # another worker's thread builds them
             return None
-        # held until this process exits: the one background thread of the run
     return _start(names)
 
 
