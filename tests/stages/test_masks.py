@@ -353,34 +353,45 @@ def test_export_mask_model_with_masks_output(mask_trained, tmp_path):
     card = (work / "models/model_card.md").read_text()
     assert "`masks` `float32 (N, 1, H, W)`" in card
     # the ONNX file's masks output agrees with the eager model's masks
+    from torchvision.models.detection.roi_heads import expand_boxes, expand_masks, paste_masks_in_image
     from detpipe.models import load_model
     model, _ = load_model(work / "models/model.pt")
     image = CachedDetectionDataset(work / "data/cache", "val")[0][0]
+    size = tuple(image.shape[-2:])
+    soft = {}                                            # the eager model's (N, 1, 28, 28) mask probabilities
+    postprocess = model.transform.postprocess
+
+    def keep_soft(result, image_sizes, original_sizes):
+        soft["masks"] = result[0]["masks"].clone()
+        return postprocess(result, image_sizes, original_sizes)
+
+    model.transform.postprocess = keep_soft
     with torch.no_grad():
         eager = model([image])[0]
     session = ort.InferenceSession(str(work / "models/model.onnx"), providers=["CPUExecutionProvider"])
     assert [o.name for o in session.get_outputs()][:5] == ["boxes", "scores", "labels", "masks", "rpn.head.0.0"]
     boxes, scores, labels, masks = session.run(["boxes", "scores", "labels", "masks"], {"image": image.numpy()})
     assert masks.shape == (len(boxes), 1, *image.shape[-2:]) and masks.dtype == np.float32
-    # Pasting a mask into the image rounds its box's coordinates: a box 1e-5 px apart between backends can land
-    # one pixel over, so soft mask values at a mask's border differ. What cannot flip: the binarized masks
-    # (> 0.5) agree up to one pixel (each inside the other's one-pixel dilation), and they overlap closely.
+    # Pasting a 28x28 mask into the image truncates its (expanded) box to whole pixels, so a box 1e-4 px apart
+    # between backends can land one row over and resample the mask at another scale: a barely trained model's
+    # striped masks then differ in many pixels once binarized (seen: IoU 0.71 at score 0.98). What cannot flip:
+    # the eager model's soft masks pasted by torchvision's own `paste_masks_in_image` at the ONNX boxes (the
+    # same whole-pixel geometry) equal the ONNX masks to float tolerance. A box whose expanded corners lie
+    # within 1e-3 px of a whole pixel could still truncate apart, and is not compared.
     same = 0
     for k in range(min(len(boxes), len(eager["boxes"]))):
-        if labels[k] == eager["labels"][k] and np.abs(boxes[k] - eager["boxes"][k].numpy()).max() < 1e-2:
-            a, b = masks[k, 0] > 0.5, eager["masks"][k, 0].numpy() > 0.5
-            assert _within_one_pixel(a, b) and _within_one_pixel(b, a), k
-            if b.sum() >= 100:
-                assert (a & b).sum() / (a | b).sum() >= 0.8, k
-                assert not _within_one_pixel(np.roll(b, 3, axis=1), b)      # the check sees a 3-pixel shift
-            same += 1
+        if labels[k] != eager["labels"][k] or np.abs(boxes[k] - eager["boxes"][k].numpy()).max() >= 1e-2:
+            continue
+        box = torch.from_numpy(boxes[k:k + 1])
+        corners = expand_boxes(box, expand_masks(soft["masks"][k:k + 1], padding=1)[1])
+        if (corners - corners.round()).abs().min() < 1e-3:
+            continue
+        reference = paste_masks_in_image(soft["masks"][k:k + 1], box, size)[0, 0].numpy()
+        assert np.abs(masks[k, 0] - reference).max() < 1e-2, k
+        if (reference > 0.5).sum() >= 100:                              # the check sees a 3-pixel shift
+            assert np.abs(np.roll(masks[k, 0], 3, axis=1) - reference).max() > 0.1, k
+        same += 1
     assert same >= 10
-
-
-def _within_one_pixel(a: np.ndarray, b: np.ndarray) -> bool:
-    """Every pixel of boolean mask ``a`` (H, W) lies in ``b`` dilated by one pixel (3x3)."""
-    grown = torch.nn.functional.max_pool2d(torch.from_numpy(b)[None, None].float(), 3, stride=1, padding=1)[0, 0]
-    return not bool((torch.from_numpy(a) & (grown == 0)).any())
 
 
 def test_masks_are_the_same_in_both_encodings(mask_workdir, tmp_path):
