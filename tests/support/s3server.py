@@ -118,7 +118,7 @@ def running_s3_server(workdir: Path | str, attempts: int = 3, host: str = "127.0
         log = workdir / f"weed{attempt}.log"
         (master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc, admin,
          admin_grpc) = free_ports(10)
-        cmd = [weed, "mini", f"-dir={data}", f"-ip={host}", f"-ip.bind={host}",
+        cmd = [weed, "-logtostderr", "mini", f"-dir={data}", f"-ip={host}", f"-ip.bind={host}",
                "-master.telemetry=false", "-webdav=false", "-admin.ui=false",
                "-s3.port.iceberg=0", "-s3.port.lance=0", "-volume.preStopSeconds=0",
                "-master.volumeSizeLimitMB=64",

@@ -287,7 +287,7 @@ class RestartableS3:
 
     def start(self, timeout: float = 30.0) -> None:
         master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc, admin, admin_grpc = self.ports
-        cmd = [weed_binary(), "mini", f"-dir={self.data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+        cmd = [weed_binary(), "-logtostderr", "mini", f"-dir={self.data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
                "-master.telemetry=false", "-webdav=false", "-admin.ui=false", "-s3.port.iceberg=0",
                "-s3.port.lance=0", "-volume.preStopSeconds=0", "-master.volumeSizeLimitMB=64",
                f"-master.port={master}", f"-master.port.grpc={master_grpc}", f"-volume.port={volume}",
