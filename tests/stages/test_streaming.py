@@ -22,7 +22,7 @@ import pyarrow.ipc as ipc
 import pytest
 import torch
 
-from support.delay_proxy import DelayProxy
+from support.delay_proxy import START_S, DelayProxy
 from support.pipeline import checkpoint_iterations, checkpoints, kill9_training_after, stage_cli, write_params
 from detpipe import params as params_mod
 from detpipe.data.dataset import CachedDetectionDataset, ResumableDistributedSampler, micro_batches
@@ -189,13 +189,15 @@ def test_delay_proxy_stops_quietly_with_connections_open(tmp_path, caplog):
     request = b"GET /f.bin HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
     try:
         proxy = DelayProxy(server.server_address[:2])
-        idle = socket.create_connection(("127.0.0.1", proxy.port), timeout=10)
+        # each wait below is bounded by START_S (60 s), a bound for a loaded machine: 10 s timed out once under
+        # three xdist workers on two cores
+        idle = socket.create_connection(("127.0.0.1", proxy.port), timeout=START_S)
         idle.sendall(request)
         assert idle.recv(1 << 16).startswith(b"HTTP/1.1 200")  # answered; the connection stays open
         proxy.delay_s = 30
-        waiting = socket.create_connection(("127.0.0.1", proxy.port), timeout=10)
+        waiting = socket.create_connection(("127.0.0.1", proxy.port), timeout=START_S)
         waiting.sendall(request)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + START_S
         while proxy.in_flight < 1 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert (proxy.in_flight, proxy.max_in_flight, proxy.responses) == (1, 1, 1)
