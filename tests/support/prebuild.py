@@ -36,6 +36,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
+from detpipe.files import atomic_write_bytes
 from support import procs
 
 
@@ -67,9 +68,9 @@ class _Job:
             try:
                 result = self.build()
             except BaseException:
-                _write(error, traceback.format_exc().encode())
+                atomic_write_bytes(error, traceback.format_exc().encode())
                 raise
-            _write(value, pickle.dumps(result))
+            atomic_write_bytes(value, pickle.dumps(result))
             return result
         finally:
             os.close(fd)
@@ -207,12 +208,6 @@ def _lock_file(name: str, block: bool) -> int | None:
         os.close(fd)
         return None
     return fd
-
-
-def _write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    tmp.replace(path)
 
 
 def at_exit(undo: Callable[[], None]) -> None:

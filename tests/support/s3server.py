@@ -89,6 +89,39 @@ def log_tail(log: Path, n: int = 20) -> str:
     return ""
 
 
+def write_identities(workdir: Path) -> tuple[str, str, Path]:
+    """A new random access key and secret key, written as SeaweedFS's ``-s3.config`` identities file
+    ``workdir/s3-identities.json`` (mode 0600, one admin identity). Returns ``(access_key, secret_key, path)``."""
+    access_key, secret_key = f"AK{secrets.token_hex(8).upper()}", secrets.token_hex(20)
+    config = workdir / "s3-identities.json"
+    config.write_text(json.dumps({"identities": [{
+        "name": "test-admin",
+        "credentials": [{"accessKey": access_key, "secretKey": secret_key}],
+        "actions": ["Admin", "Read", "List", "Tagging", "Write"],
+    }]}))
+    os.chmod(config, 0o600)
+    return access_key, secret_key, config
+
+
+def weed_command(data: Path, host: str, ports: list[int], config: Path, sockets: Path, tag: str = "") -> list[str]:
+    """The ``weed mini`` command line: data under ``data``, every port bound to ``host`` only, ``ports`` the ten
+    ports (master, volume, filer, S3, admin: each HTTP then gRPC; the S3 endpoint is ``ports[6]``), credentials
+    from ``config`` (`write_identities`), its S3 and filer Unix sockets ``sockets/s3{tag}.sock`` and
+    ``sockets/filer{tag}.sock`` (not /tmp); its log to stderr (not glog files in /tmp), telemetry off."""
+    master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc, admin, admin_grpc = ports
+    return [weed_binary(), "-logtostderr", "mini", f"-dir={data}", f"-ip={host}", f"-ip.bind={host}",
+            "-master.telemetry=false", "-webdav=false", "-admin.ui=false",
+            "-s3.port.iceberg=0", "-s3.port.lance=0", "-volume.preStopSeconds=0",
+            "-master.volumeSizeLimitMB=64",
+            f"-master.port={master}", f"-master.port.grpc={master_grpc}",
+            f"-volume.port={volume}", f"-volume.port.grpc={volume_grpc}",
+            f"-filer.port={filer}", f"-filer.port.grpc={filer_grpc}",
+            f"-s3.port={s3}", f"-s3.port.grpc={s3_grpc}",
+            f"-admin.port={admin}", f"-admin.port.grpc={admin_grpc}",
+            f"-s3.config={config}",
+            f"-s3.localSocket={sockets / f's3{tag}.sock'}", f"-filer.localSocket={sockets / f'filer{tag}.sock'}"]
+
+
 @contextlib.contextmanager
 def running_s3_server(workdir: Path | str, attempts: int = 3, host: str = "127.0.0.1",
                       popen=subprocess.Popen) -> Iterator[S3Server]:
@@ -102,38 +135,18 @@ def running_s3_server(workdir: Path | str, attempts: int = 3, host: str = "127.0
     """
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    access_key, secret_key = f"AK{secrets.token_hex(8).upper()}", secrets.token_hex(20)
-    config = workdir / "s3-identities.json"
-    config.write_text(json.dumps({"identities": [{
-        "name": "test-admin",
-        "credentials": [{"accessKey": access_key, "secretKey": secret_key}],
-        "actions": ["Admin", "Read", "List", "Tagging", "Write"],
-    }]}))
-    os.chmod(config, 0o600)
-    weed = weed_binary()
+    access_key, secret_key, config = write_identities(workdir)
     last_error = ""
     for attempt in range(attempts):
         data = workdir / f"data{attempt}"
         data.mkdir()
         log = workdir / f"weed{attempt}.log"
-        (master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc, admin,
-         admin_grpc) = free_ports(10)
-        cmd = [weed, "-logtostderr", "mini", f"-dir={data}", f"-ip={host}", f"-ip.bind={host}",
-               "-master.telemetry=false", "-webdav=false", "-admin.ui=false",
-               "-s3.port.iceberg=0", "-s3.port.lance=0", "-volume.preStopSeconds=0",
-               "-master.volumeSizeLimitMB=64",
-               f"-master.port={master}", f"-master.port.grpc={master_grpc}",
-               f"-volume.port={volume}", f"-volume.port.grpc={volume_grpc}",
-               f"-filer.port={filer}", f"-filer.port.grpc={filer_grpc}",
-               f"-s3.port={s3}", f"-s3.port.grpc={s3_grpc}",
-               f"-admin.port={admin}", f"-admin.port.grpc={admin_grpc}",
-               f"-s3.config={config}",
-               f"-s3.localSocket={workdir / f's3-{attempt}.sock'}",       # not /tmp/seaweedfs-*.sock
-               f"-filer.localSocket={workdir / f'filer-{attempt}.sock'}"]
+        ports = free_ports(10)
+        cmd = weed_command(data, host, ports, config, workdir, tag=f"-{attempt}")
         with open(log, "wb") as logf:
             proc = popen(cmd, cwd=data, stdout=logf, stderr=subprocess.STDOUT,
                          stdin=subprocess.DEVNULL, start_new_session=True)
-        server = S3Server(endpoint_url=f"http://{host}:{s3}", access_key=access_key,
+        server = S3Server(endpoint_url=f"http://{host}:{ports[6]}", access_key=access_key,
                           secret_key=secret_key, workdir=workdir)
         try:
             deadline = time.monotonic() + START_TIMEOUT_S

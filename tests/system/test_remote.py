@@ -31,7 +31,7 @@ import yaml
 from support.pipeline import checkpoint_iterations, set_params, write_params
 from support.procs import REPO, stage_env
 from support.procs import free_ports, run
-from support.s3server import S3Server, log_tail, stop, weed_binary
+from support.s3server import S3Server, log_tail, stop, weed_command, write_identities
 from support.repos import clone_with_cache, copy_repo
 
 # An error must come back well within this (the committed remote config bounds connect and read timeouts).
@@ -273,12 +273,7 @@ class RestartableS3:
     def __init__(self, workdir: Path):
         self.workdir, self.data = workdir, workdir / "data"
         self.data.mkdir(parents=True)
-        self.access_key, self.secret_key = f"AK{secrets.token_hex(8).upper()}", secrets.token_hex(20)
-        self.config = workdir / "s3-identities.json"
-        self.config.write_text(json.dumps({"identities": [{
-            "name": "test-admin", "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
-            "actions": ["Admin", "Read", "List", "Tagging", "Write"]}]}))
-        os.chmod(self.config, 0o600)
+        self.access_key, self.secret_key, self.config = write_identities(workdir)
         self.ports = free_ports(10)
         self.server = S3Server(endpoint_url=f"http://127.0.0.1:{self.ports[6]}", access_key=self.access_key,
                                secret_key=self.secret_key, workdir=workdir)
@@ -286,15 +281,7 @@ class RestartableS3:
         self.starts = 0
 
     def start(self, timeout: float = 30.0) -> None:
-        master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc, admin, admin_grpc = self.ports
-        cmd = [weed_binary(), "-logtostderr", "mini", f"-dir={self.data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-               "-master.telemetry=false", "-webdav=false", "-admin.ui=false", "-s3.port.iceberg=0",
-               "-s3.port.lance=0", "-volume.preStopSeconds=0", "-master.volumeSizeLimitMB=64",
-               f"-master.port={master}", f"-master.port.grpc={master_grpc}", f"-volume.port={volume}",
-               f"-volume.port.grpc={volume_grpc}", f"-filer.port={filer}", f"-filer.port.grpc={filer_grpc}",
-               f"-s3.port={s3}", f"-s3.port.grpc={s3_grpc}", f"-admin.port={admin}",
-               f"-admin.port.grpc={admin_grpc}", f"-s3.config={self.config}",
-               f"-s3.localSocket={self.workdir / 's3.sock'}", f"-filer.localSocket={self.workdir / 'filer.sock'}"]
+        cmd = weed_command(self.data, "127.0.0.1", self.ports, self.config, self.workdir)
         self.log = self.workdir / f"weed{self.starts}.log"
         self.starts += 1
         with open(self.log, "wb") as logf:
