@@ -25,8 +25,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from detpipe import params as params_mod
-from detpipe.engine.checkpoints import (FORMAT, find_resume_state, fingerprint, list_checkpoints, rng_state,
-                                       save_atomic, schedule_changes, schedule_params, set_rng_state)
+from detpipe.engine.checkpoints import (FORMAT, find_resume_state, fingerprint, list_checkpoints,
+                                       remove_partial_saves, rng_state, save_atomic, schedule_changes,
+                                       schedule_params, set_rng_state)
 from detpipe.data.dataset import CachedDetectionDataset, ResumableDistributedSampler, micro_batches, uses_masks
 from detpipe.data.meta import read_meta
 from detpipe.engine.distributed import setup_distributed
@@ -289,6 +290,8 @@ def train(cfg: params_mod.Train, cache_dir: Path = CACHE_DIR, arrow_meta: Path =
     except BaseException as e:
         if received_signal() is None:
             raise
+        if rank == 0:                       # the only writer of checkpoints; its save is over (or never began)
+            remove_partial_saves(ckpt_dir)
         ckpts = list_checkpoints(ckpt_dir)
         detail = f"at iteration {trainer.iter}; " + (f"checkpoint {ckpts[-1].name} kept" if ckpts else
                                                       "no checkpoint yet")
