@@ -110,7 +110,8 @@ def _frozen_peer(tmp_path, timeout_s: float, deadline_s: float) -> tuple[float |
 
     import torch.distributed as dist
 
-    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, timeout=timedelta(seconds=30))
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True,  # port 0: the kernel picks one, no race
+                          timeout=timedelta(seconds=30))
     base = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
             "TORCHELASTIC_USE_AGENT_STORE": "True", "DETPIPE_COLLECTIVE_TIMEOUT_S": str(timeout_s),
             "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
