@@ -33,8 +33,10 @@ import ipaddress
 import json
 import logging
 import os
+import shutil
 import socket
 import sys
+import tempfile
 from typing import Iterator
 
 import psutil
@@ -359,7 +361,9 @@ def run_torchrun(argv: list[str], env: dict[str, str] | None = None,
     bound to 127.0.0.1 only and restarted nodes able to rejoin (`agent_fixes`). The workers are forked from this
     process or started as new interpreters (`WORKER_START_ENV`; ``argv`` must end in ``-m <module> [args]``
     for ``fork``). A failed job becomes a one-line `StageError` naming the first failed rank and its exit code
-    (the worker's own message is printed above it) instead of torchrun's traceback.
+    (the worker's own message is printed above it) instead of torchrun's traceback. Without ``--log-dir`` in
+    ``argv``, torchelastic's per-run folder (workers' ``error.json`` files) is a temporary folder removed when
+    the launch ends, not a ``/tmp/torchelastic_*`` left behind by every training.
 
     Raises:
         StageError: the worker group failed more than ``--max-restarts`` times, or the rendezvous failed.
@@ -378,6 +382,9 @@ def run_torchrun(argv: list[str], env: dict[str, str] | None = None,
     args = parse_args(argv)
     if args.master_port is None:  # as torch.distributed.run.run (unused by the c10d rendezvous)
         args.master_port = 29500
+    own_log_dir = args.log_dir is None
+    if own_log_dir:
+        args.log_dir = tempfile.mkdtemp(prefix="detpipe-torchelastic-")
     try:
         with agent_fixes(ready):
             config, cmd, cmd_args = config_from_args(args)
@@ -396,6 +403,9 @@ def run_torchrun(argv: list[str], env: dict[str, str] | None = None,
     except RendezvousError as e:
         raise StageError(f"{args.training_script}: rendezvous at {args.rdzv_endpoint} failed: "
                          f"{type(e).__name__}: {e}") from None
+    finally:
+        if own_log_dir:
+            shutil.rmtree(args.log_dir, ignore_errors=True)
 
 
 def launch_local(cfg, module: str, nproc_per_node: int | None = None) -> None:

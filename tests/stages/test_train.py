@@ -149,8 +149,11 @@ def test_resume_rules(trained_workdir, tmp_path):
     assert "train.resume is 'must'" in must.stderr and "Traceback" not in must.stderr
     # another training + auto: starts fresh, says why, and removes the foreign checkpoints
     write_params(work, {"train": {"seed": 1, "epochs": 1}})
-    fresh = stage_cli("train", work)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    fresh = stage_cli("train", work, env={"TMPDIR": str(tmp)})
     assert "starting fresh" in fresh.stderr and "other training params" in fresh.stderr
+    assert list(tmp.iterdir()) == []       # torchelastic's per-run folder (workers' error files) went with the run
     assert [p.name for p in checkpoints(work)] == ["ckpt-0000002.pt"]
     # a finished run, another lr and no epoch added (a `dvc exp run -S train.lr=...`): another training
     write_params(work, {"train": {"seed": 1, "epochs": 1, "lr": 0.02}})

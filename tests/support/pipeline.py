@@ -29,10 +29,11 @@ TINY_PARAMS = {
 }
 
 
-def stage_cli(name: str, cwd: Path, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:
-    """Run ``python -m stages.<name>`` in ``cwd`` (`support.procs.run`: with ``check``, a failure shows its
-    output)."""
-    return run([sys.executable, "-m", f"stages.{name}"], cwd, check=check, timeout=timeout)
+def stage_cli(name: str, cwd: Path, check: bool = True, timeout: float = 600,
+              env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run ``python -m stages.<name>`` in ``cwd`` with ``env`` added to the environment (`support.procs.run`:
+    with ``check``, a failure shows its output)."""
+    return run([sys.executable, "-m", f"stages.{name}"], cwd, env=env, check=check, timeout=timeout)
 
 
 def write_params(workdir: Path, overrides: dict | None = None, tiny: bool = True) -> dict:
