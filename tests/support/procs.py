@@ -18,13 +18,12 @@ GIT_IDENTITY = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@localhost",
                 "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@localhost"}
 
 
-def _ephemeral_range() -> tuple[int, int]:
-    """The kernel's ephemeral port range (``net.ipv4.ip_local_port_range``; Linux's default 32768-60999)."""
+def _ephemeral_start() -> int:
+    """The first port of the kernel's ephemeral range (``net.ipv4.ip_local_port_range``; Linux's default 32768)."""
     try:
-        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
-        return low, high
-    except (OSError, ValueError):
-        return 32768, 60999
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def free_ports(n: int = 1, host: str = "127.0.0.1") -> list[int]:
@@ -34,27 +33,25 @@ def free_ports(n: int = 1, host: str = "127.0.0.1") -> list[int]:
     hands out (``bind(0)``) is one every outgoing connection of every process may take next, and did once
     between this function and the server's own bind (EADDRINUSE in CI). Ports below the range are only ever
     taken by an explicit bind, such as another test's server: two pytest workers drawing the same one of
-    ~22 000 ports a moment apart is what remains."""
-    low, high = 10000, _ephemeral_range()[0]
+    ~22 000 ports a moment apart is what remains. A machine whose range starts below 11000 gets the kernel's.
+
+    Raises:
+        RuntimeError: fewer than ``n`` free ports found in ``200 * n`` draws."""
+    low, high = 10000, _ephemeral_start()
     socks: list[socket.socket] = []
     try:
         for _ in range(200 * n):
             if len(socks) == n:
                 break
-            # a machine whose ephemeral range starts below 11000: let the kernel pick (port 0)
-            port = random.randrange(low, high) if high - low >= 1000 else 0
             s = socket.socket()
-            try:
-                s.bind((host, port))
+            try:        # a port drawn twice fails here: the first socket still holds it
+                s.bind((host, random.randrange(low, high) if high - low >= 1000 else 0))
             except OSError:
-                s.close()
-                continue
-            if s.getsockname()[1] in [t.getsockname()[1] for t in socks]:
                 s.close()
                 continue
             socks.append(s)
         if len(socks) < n:
-            raise RuntimeError(f"found {len(socks)} of {n} free TCP ports on {host} in {low}-{high - 1}")
+            raise RuntimeError(f"found {len(socks)} of {n} free TCP ports on {host} below port {high}")
         return [s.getsockname()[1] for s in socks]
     finally:
         for s in socks:
