@@ -33,7 +33,7 @@ import numpy as np
 import orjson
 
 from detpipe.data.coco_schema import (Report, check_annotation, check_categories, check_coco, check_image,
-                                      check_top, is_finite_number, segmentation_problem, to_rle)
+                                      check_top, is_finite_number, segmentation_area, segmentation_problem)
 from detpipe.errors import StageError
 
 # ---------------------------------------------------------------------------------------------- parsing
@@ -568,8 +568,6 @@ def clean_annotations(anns: list[dict], frame: Frame, labels: dict[int, int], re
     Raises:
         StageError: in strict mode, at the first counted finding.
     """
-    from pycocotools import mask as mask_utils
-
     out = []
     jw, jh = frame.width, frame.height
     fw, fh = float(jw), float(jh)
@@ -624,8 +622,8 @@ def clean_annotations(anns: list[dict], frame: Frame, labels: dict[int, int], re
             seg = None
         area = ann.get("area")
         if not is_finite_number(area) or area < 0:
-            rle = to_rle(seg, jh, jw)
-            new_area, source = ((float(mask_utils.area(rle)), "segmentation mask") if rle is not None
+            seg_area = segmentation_area(seg, jh, jw)
+            new_area, source = ((seg_area, "segmentation") if seg_area is not None
                                 else (box[2] * box[3], "bbox w*h"))
             add("area_missing", f"area {area!r:.40} -> {new_area} from {source}")
             area = new_area

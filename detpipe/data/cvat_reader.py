@@ -79,7 +79,8 @@ from typing import Iterator
 from defusedxml import DTDForbidden, DefusedXmlException, EntitiesForbidden, ExternalReferenceForbidden
 from defusedxml.ElementTree import DefusedXMLParser
 
-from detpipe.data.translate import CocoWriter, Dataset, Translated, displayed_fix, polygon_area, to_stored
+from detpipe.data.coco_schema import polygon_area
+from detpipe.data.translate import CocoWriter, Dataset, Translated, displayed_fix, to_stored
 from detpipe.errors import StageError
 
 log = logging.getLogger(__name__)

@@ -82,7 +82,8 @@ from pathlib import Path
 
 import orjson
 
-from detpipe.data.translate import CocoWriter, Dataset, Translated, displayed_fix, polygon_area, to_stored
+from detpipe.data.coco_schema import polygon_area
+from detpipe.data.translate import CocoWriter, Dataset, Translated, displayed_fix, to_stored
 from detpipe.errors import StageError
 
 log = logging.getLogger(__name__)

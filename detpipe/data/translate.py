@@ -39,13 +39,6 @@ def image_size(path: Path) -> tuple[int, int, int]:
     return (h, w, o) if o in (5, 6, 7, 8) else (w, h, o)
 
 
-def polygon_area(xy: list[float]) -> float:
-    """Area in pixels^2 of the polygon ``[x1, y1, x2, y2, ...]`` (pixels; shoelace formula)."""
-    x, y = xy[0::2], xy[1::2]
-    n = len(x)
-    return abs(sum(x[i] * y[(i + 1) % n] - x[(i + 1) % n] * y[i] for i in range(n))) / 2
-
-
 def needs_stored_frame(width: int, height: int, orientation: int) -> bool:
     """Whether annotations given in the displayed frame of an image whose displayed size is ``width`` x ``height``
     must be handed to the COCO path in the stored frame (`to_stored`): EXIF orientation 2..8 and a displayed size

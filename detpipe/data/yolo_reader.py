@@ -46,8 +46,8 @@ from pathlib import Path
 import yaml
 from PIL import Image, UnidentifiedImageError
 
-from detpipe.data.translate import (CocoWriter, Dataset, Translated, image_size, needs_stored_frame,
-                                    polygon_area, to_stored)
+from detpipe.data.coco_schema import polygon_area
+from detpipe.data.translate import CocoWriter, Dataset, Translated, image_size, needs_stored_frame, to_stored
 from detpipe.errors import StageError
 
 log = logging.getLogger(__name__)

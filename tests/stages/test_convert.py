@@ -478,7 +478,7 @@ def test_area_missing(tmp_path, coco):
     nan_area = _ann(3, [10, 10, 4, 5], area=float("nan"), segmentation=[])
     res, row = _one_image(tmp_path, coco, [real, no_seg, nan_area])
     assert findings(res) == {"area_missing": 3}
-    assert row["area"][0] == pytest.approx(given, rel=0.01)   # mask area vs COCO's polygon area
+    assert row["area"][0] == pytest.approx(given, rel=1e-9)   # COCO's own rule: the polygon's shoelace area
     assert row["area"][1:] == [600.0, 20.0]
     assert row["segmentation"][1] == ""
 

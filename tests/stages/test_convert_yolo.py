@@ -365,3 +365,56 @@ def test_coco128_as_yolo_matches_the_coco_path(tmp_path):
     print(f"COCO128 as YOLO: {boxes} boxes, max |ours - COCO path| = {worst:.2e} px; iscrowd differs on {crowd}")
     assert boxes == sum(meta_c["splits"][s]["annotations"] for s in ("train", "val")) and worst <= 0.5
     assert crowd == 10
+
+
+AREA_IMAGE, AREA_ANN = "000000000564.jpg", 1602301  # COCO's area 1032.08 px^2 (medium); rasterized 1017 (small)
+
+
+def _size_bucket(area: float) -> str:
+    """COCOeval's area ranges (pycocotools ``Params.areaRng``): small < 32^2 <= medium < 96^2 <= large."""
+    return "small" if area < 32 ** 2 else "medium" if area < 96 ** 2 else "large"
+
+
+def test_one_area_rule_for_coco_and_yolo(tmp_path):
+    """The same polygon through the COCO path (its ``area`` left out, so the stage computes it) and through a YOLO
+    segment line gets the same area and COCOeval size bucket, both equal to COCO 2017's own ``area`` of that object
+    (the polygon's shoelace area). The object is the one of COCO128 whose rasterized mask area (pycocotools
+    ``mask.area``: 1017 px^2, small) falls in another bucket than COCO's own (1032.08, medium), so computing the
+    area from the rasterized mask on either path fails here."""
+    from pycocotools import mask as mask_utils
+
+    src = json.loads((COCO / ANN).read_text())
+    im = next(i for i in src["images"] if i["file_name"] == AREA_IMAGE)
+    ann = next(a for a in src["annotations"] if a["id"] == AREA_ANN)
+    assert len(ann["segmentation"]) == 1
+    poly, W, H = ann["segmentation"][0], im["width"], im["height"]
+    rasterized = float(mask_utils.area(mask_utils.merge(mask_utils.frPyObjects(ann["segmentation"], H, W))))
+    assert _size_bucket(rasterized) != _size_bucket(ann["area"])  # the object still tells the two rules apart
+
+    coco_raw = tmp_path / "coco"
+    (coco_raw / "images").mkdir(parents=True)
+    shutil.copyfile(COCO / "train2017" / AREA_IMAGE, coco_raw / "images" / AREA_IMAGE)
+    record = {k: v for k, v in ann.items() if k != "area"}
+    (coco_raw / "ann.json").write_text(json.dumps({"images": [im], "annotations": [record],
+                                                   "categories": src["categories"]}))
+    res_c = convert(coco_raw, tmp_path / "arrow_coco", formats.params("coco", annotations="ann.json",
+                                                                    images="images"), progress=False)
+    assert res_c["report"]["rules"]["area_missing"]["count"] == 1
+
+    yolo_raw = tmp_path / "yolo"
+    (yolo_raw / "images" / "train").mkdir(parents=True)
+    (yolo_raw / "labels" / "train").mkdir(parents=True)
+    shutil.copyfile(COCO / "train2017" / AREA_IMAGE, yolo_raw / "images" / "train" / AREA_IMAGE)
+    names = [c["name"] for c in sorted(src["categories"], key=lambda c: c["id"])]
+    cls = [c["id"] for c in sorted(src["categories"], key=lambda c: c["id"])].index(ann["category_id"])
+    normalized = " ".join(repr(v / (W if i % 2 == 0 else H)) for i, v in enumerate(poly))
+    (yolo_raw / "labels" / "train" / (Path(AREA_IMAGE).stem + ".txt")).write_text(f"{cls} {normalized}\n")
+    (yolo_raw / "data.yaml").write_text(yaml.safe_dump({"path": ".", "train": "images/train", "names": names}))
+    convert(yolo_raw, tmp_path / "arrow_yolo", params(), progress=False)
+
+    (coco_area,) = read_rows(tmp_path / "arrow_coco", "train")[0]["area"]
+    (yolo_area,) = read_rows(tmp_path / "arrow_yolo", "train")[0]["area"]
+    print(f"COCO's area {ann['area']}, COCO path {coco_area}, YOLO path {yolo_area}, rasterized {rasterized}")
+    assert abs(coco_area - ann["area"]) < 1e-6 * ann["area"]
+    assert abs(yolo_area - ann["area"]) < 1e-6 * ann["area"]  # normalized coordinates round-trip to ~1e-16
+    assert _size_bucket(coco_area) == _size_bucket(yolo_area) == _size_bucket(ann["area"]) == "medium"
