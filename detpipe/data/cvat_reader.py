@@ -15,7 +15,7 @@ An image's file is the first of ``images/<name>``, ``images/<subset>/<name>`` an
 order of datumaro's CVAT importer, which CVAT uses, plus ``<name>`` beside annotations.xml); if none does, the
 COCO path counts ``images/<name>`` as ``image_missing``.
 
-Parsing: ``defusedxml``'s ``iterparse`` (events start/end), one ``<image>`` element at a time; each image (and
+Parsing: ``defusedxml``'s ``iterparse`` (`detpipe.data.safe_xml.iter_events`, events start/end), one ``<image>`` element at a time; each image (and
 ``<meta>``) is cleared from the tree once read, so memory is one image's elements whatever the file's size.
 Document type declarations are refused (``forbid_dtd``), and with them every entity declaration (billion laughs)
 and external reference (XXE); CVAT never writes one.
@@ -76,10 +76,8 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Iterator
 
-from defusedxml import DTDForbidden, DefusedXmlException, EntitiesForbidden, ExternalReferenceForbidden
-from defusedxml.ElementTree import DefusedXMLParser
-
 from detpipe.data.coco_schema import polygon_area
+from detpipe.data.safe_xml import iter_events
 from detpipe.data.translate import CocoWriter, Dataset, Translated, displayed_fix, to_stored
 from detpipe.errors import StageError
 
@@ -96,36 +94,6 @@ BOX_ELEMENTS = ("box", "polygon")
 _NUMBER = re.compile(r"^\s*[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?\s*$")
 
 
-def _open_events(path: Path, events: tuple[str, ...] = ("start", "end")) -> Iterator[tuple[str, ET.Element]]:
-    """``(event, element)`` of ``path`` parsed by defusedxml (DTDs, entities and external references refused).
-
-    Raises:
-        StageError: rule ``cvat_xml``: a DTD / entity / external reference, malformed XML (line and column), an
-            unreadable file.
-    """
-    parser = DefusedXMLParser(target=ET.TreeBuilder(), forbid_dtd=True, forbid_entities=True,
-                              forbid_external=True)
-    try:
-        with open(path, "rb") as f:
-            yield from ET.iterparse(f, events, parser=parser)
-    except DTDForbidden as e:
-        raise StageError(f"{path}: line {parser.parser.CurrentLineNumber}: XML document type declaration "
-                         f"<!DOCTYPE {e.name}> refused: a DTD is where entities (billion laughs) and external "
-                         f"references (XXE) are declared, and CVAT never writes one (rule 'cvat_xml')") from None
-    except EntitiesForbidden as e:
-        raise StageError(f"{path}: XML entity declaration {e.name!r} refused (rule 'cvat_xml')") from None
-    except ExternalReferenceForbidden as e:
-        raise StageError(f"{path}: XML external reference {e.sysid!r} refused (rule 'cvat_xml')") from None
-    except DefusedXmlException as e:
-        raise StageError(f"{path}: unsafe XML refused ({e}) (rule 'cvat_xml')") from None
-    except ET.ParseError as e:
-        line, col = e.position
-        raise StageError(f"{path}: line {line}, column {col + 1}: malformed XML ({str(e).split(':')[0]}) "
-                         f"(rule 'cvat_xml')") from None
-    except OSError as e:
-        raise StageError(f"{path}: cannot read ({e.strerror or e}) (rule 'cvat_xml')") from None
-
-
 def detect(raw_root: Path) -> Path | None:
     """``raw_root/annotations.xml`` if its root element is ``<annotations>`` (or it is not well-formed XML: still
     CVAT's file name; `read` names the error), else None."""
@@ -133,7 +101,7 @@ def detect(raw_root: Path) -> Path | None:
     if not p.is_file():
         return None
     try:
-        for _, el in _open_events(p, ("start",)):
+        for _, el in iter_events(p, "cvat_xml", ("start",)):
             return p if el.tag == "annotations" else None
     except StageError:
         return p
@@ -252,7 +220,7 @@ def iter_cvat(path: Path) -> Iterator[tuple[str, object]]:
     depth = 0
     labels_sent = False
     index = 0
-    for ev, el in _open_events(path):
+    for ev, el in iter_events(path, "cvat_xml"):
         if ev == "start":
             depth += 1
             if root is None:

@@ -8,16 +8,7 @@ from typing import Any, Sequence
 import numpy as np
 from PIL import Image
 
-# PIL transposes that ImageOps.exif_transpose applies per EXIF orientation value (Pillow source).
-EXIF_TRANSPOSE = {
-    2: Image.Transpose.FLIP_LEFT_RIGHT,
-    3: Image.Transpose.ROTATE_180,
-    4: Image.Transpose.FLIP_TOP_BOTTOM,
-    5: Image.Transpose.TRANSPOSE,
-    6: Image.Transpose.ROTATE_270,
-    7: Image.Transpose.TRANSVERSE,
-    8: Image.Transpose.ROTATE_90,
-}
+from detpipe.data.imageio import EXIF_TRANSPOSE
 
 
 def orient_points(xy: np.ndarray, width: int, height: int, orientation: int) -> np.ndarray:

@@ -85,8 +85,9 @@ class Unreadable(Exception):
     """The bytes are not a readable image (the message says why, without a file name)."""
 
 
-#: EXIF orientation 2..8 -> the transposition that displays the stored raster (PIL.ImageOps.exif_transpose's table).
-_TRANSPOSE = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180, 4: Image.Transpose.FLIP_TOP_BOTTOM,
+#: EXIF orientation 2..8 -> the transposition that displays the stored raster (PIL.ImageOps.exif_transpose's table,
+#: Pillow source); the one table of the decoder here and of the annotation geometry (`detpipe.data.geometry`).
+EXIF_TRANSPOSE = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180, 4: Image.Transpose.FLIP_TOP_BOTTOM,
               5: Image.Transpose.TRANSPOSE, 6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE,
               8: Image.Transpose.ROTATE_90}
 
@@ -174,7 +175,7 @@ def inspect(data: bytes, phash: bool = False) -> ImageInfo:
         orientation = 1                 # exif_transpose ignores other values
     if phash:                           # outside the try: a failure here is a bug, not an unreadable image
         if fmt == "JPEG" and orientation != 1:
-            small = small.transpose(_TRANSPOSE[orientation])
+            small = small.transpose(EXIF_TRANSPOSE[orientation])
         hashes = phash_pair(small)
     bits = data[24] if data[:8] == _PNG_SIGNATURE and data[12:16] == b"IHDR" else 8
     flags = []

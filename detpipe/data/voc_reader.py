@@ -31,7 +31,8 @@ Mapping rules (sources: the devkit's annotation format as read by detectron2's
 ``detectron2/data/datasets/pascal_voc.py`` ``load_voc_instances`` and its VOC evaluator,
 ``detectron2/evaluation/pascal_voc_evaluation.py``, a port of py-faster-rcnn's ``voc_eval.py``):
 
-- Parsing: each file alone (memory: one file's tree), with ``defusedxml`` (``forbid_dtd``, ``forbid_entities``,
+- Parsing: each file alone (memory: one file's tree), with ``defusedxml`` through `detpipe.data.safe_xml` (the one
+  safe-XML reader of VOC and CVAT; ``forbid_dtd``, ``forbid_entities``,
   ``forbid_external``): a file with a DTD (``<!DOCTYPE ...>``, which is where entity declarations, billion-laughs
   expansion and external entities live; VOC files have none) is refused, a malformed one is an error naming the
   parser's line and column (rule ``voc_xml``). The root element must be ``<annotation>``.
@@ -86,12 +87,11 @@ import os
 import posixpath
 import re
 from pathlib import Path
-from xml.etree.ElementTree import Element, ParseError
+from xml.etree.ElementTree import Element
 
-import defusedxml
-import defusedxml.ElementTree as SafeET
 from PIL import Image, UnidentifiedImageError
 
+from detpipe.data.safe_xml import parse
 from detpipe.data.translate import CocoWriter, Dataset, Translated, image_size
 from detpipe.errors import StageError
 
@@ -150,19 +150,7 @@ def parse_annotation(path: Path) -> VocAnnotation:
             root not ``<annotation>``), ``voc_size``, ``voc_object`` (no ``<name>``, bad ``<difficult>``),
             ``voc_bndbox`` (no ``<bndbox>``, a corner missing or not a finite number).
     """
-    try:
-        root = SafeET.parse(str(path), forbid_dtd=True, forbid_entities=True, forbid_external=True).getroot()
-    except defusedxml.DTDForbidden as e:
-        ext = f" SYSTEM {e.sysid!r}" if e.sysid else ""
-        raise StageError(f"{path}: XML with a DTD (<!DOCTYPE {e.name}{ext} ...>) refused: a DTD is where entities "
-                         f"are declared (billion-laughs expansion, external files); VOC annotation files need none "
-                         f"(rule 'voc_xml')") from None
-    except (defusedxml.EntitiesForbidden, defusedxml.ExternalReferenceForbidden) as e:
-        raise StageError(f"{path}: XML entity refused ({type(e).__name__}: {e}) (rule 'voc_xml')") from None
-    except ParseError as e:
-        raise StageError(f"{path}: not well-formed XML ({e}) (rule 'voc_xml')") from None
-    except OSError as e:
-        raise StageError(f"{path}: cannot read ({e.strerror or e}) (rule 'voc_xml')") from None
+    root = parse(path, "voc_xml")
     if root.tag != "annotation":
         raise StageError(f"{path}: root element <{root.tag:.40}>, not <annotation> (rule 'voc_xml')")
     filename = (root.findtext("filename") or "").strip() or None
