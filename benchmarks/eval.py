@@ -16,7 +16,7 @@ per image with seeded synthetic ones (half jittered copies of the image's ground
 the right class, half random boxes; scores uniform in [0, 0.5), below the example detections' typical scores), then
 the evaluate stage's two steps are timed on the same inputs: `coco_evaluate` (the stage's default backend,
 faster_coco_eval: validation, COCO objects, evaluate/accumulate/summarize) and
-`detpipe.evaluation.errors.analyze_validated` on its validated records plus writing its JSON plots (what the stage
+`detpipe.evaluation.error_analysis.analyze_validated` on its validated records plus writing its JSON plots (what the stage
 adds: TIDE breakdown, confusion matrix, per-image errors; drawing the few worst images, a fixed cost per run, is not
 included). Their AP50 must agree to 1e-9. Last line ``ratio: <(analysis + JSON plots) s / COCOeval s>``
 (goal <= 0.5).
@@ -87,7 +87,7 @@ def analysis_ratio(gt: dict, dets: list[dict], repeats: int) -> None:
     """Time `coco_evaluate` (faster_coco_eval) and `analyze_validated` on its records; print the ratio."""
     import tempfile
 
-    from detpipe.evaluation.errors import analyze_validated
+    from detpipe.evaluation.error_analysis import analyze_validated
     from detpipe.evaluation.plots import write_error_plots
 
     best_coco = best_analysis = best_json = float("inf")

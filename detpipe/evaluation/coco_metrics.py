@@ -63,7 +63,7 @@ class CocoResult:
         iou_type: ``"bbox"`` or ``"segm"``.
         seconds: wall time of the COCO API's evaluate + accumulate + summarize, in seconds.
         dataset, results: the validated ground truth and detections handed to the COCO API (`validated_inputs`), for
-            analyses that must see the same records (`detpipe.evaluation.errors.analyze_validated`).
+            analyses that must see the same records (`detpipe.evaluation.error_analysis.analyze_validated`).
     """
 
     stats: dict[str, float]
@@ -256,7 +256,7 @@ def validated_inputs(gt: dict, detections: list[dict], iou_type: str = "bbox", *
     """The ground truth and detections exactly as `coco_evaluate` hands them to the COCO API, after the same checks:
     ``(dataset, results)``, ``dataset`` a fresh COCO instances dict (annotation ids renumbered 1..N in input order,
     ``iscrowd`` 0/1, ``area`` filled in), ``results`` the detections as ``COCO.loadRes`` would make them (``id``
-    1..N in input order, ``bbox`` floats). Used by `detpipe.evaluation.errors` so that its matching sees the same
+    1..N in input order, ``bbox`` floats). Used by `detpipe.evaluation.error_analysis` so that its matching sees the same
     records as COCOeval.
 
     Raises:

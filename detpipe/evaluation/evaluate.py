@@ -21,7 +21,7 @@ stay narrow); and ``plots/val_images/*.png``: a few val images with predicted (r
 ``evaluate.plot_score_threshold``; masks shaded for mask models) and ground-truth (green) boxes
 (`detpipe.evaluation.drawing`).
 
-Error analysis (`detpipe.evaluation.errors`, bbox only: for mask models the boxes of the same detections are
+Error analysis (`detpipe.evaluation.error_analysis`, bbox only: for mask models the boxes of the same detections are
 analysed, not the masks), from COCOeval's own matching at IoU 0.5 (its base AP50 must equal COCOeval's): the TIDE
 ΔAP50 per error type in ``metrics/eval.json`` under ``errors`` (``AP50``, ``cls``, ``loc``, ``both``, ``dupe``,
 ``bkg``, ``miss``, ``FP``, ``FN``) and ``plots/errors.json``; the confusion matrix (``plots/confusion.json``,
@@ -49,7 +49,7 @@ from detpipe.data.dataset import CachedDetectionDataset, uses_masks
 from detpipe.data.meta import read_meta
 from detpipe.engine.distributed import setup_distributed
 from detpipe.evaluation.detections import detect_dataset, label_to_category_id
-from detpipe.evaluation.errors import analyze_validated, error_metrics
+from detpipe.evaluation.error_analysis import analyze_validated, error_metrics
 from detpipe.evaluation.ground_truth import gt_from_arrow
 from detpipe.evaluation.plots import write_plots
 from detpipe.launch.torchrun import launch_local

@@ -1,6 +1,6 @@
 """The evaluate stage's DVC plots under ``plots/``: precision-recall curves, per-class AP and val images drawn
 with predicted and true boxes (`write_plots`); the error analysis' confusion matrix, TIDE error bars and worst val
-images (`write_error_plots`, from `detpipe.evaluation.errors`)."""
+images (`write_error_plots`, from `detpipe.evaluation.error_analysis`)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,7 +13,7 @@ from detpipe.data.imageio import decode_rgb
 from detpipe.data.meta import arrow_shards
 from detpipe.evaluation.coco_metrics import pr_curve_rows
 from detpipe.evaluation.drawing import add_legend, draw_boxes, draw_masks, line_width
-from detpipe.evaluation.errors import (SPECIAL_ERRORS, TIDE_ERRORS, ErrorAnalysis, confusion_rows, confusion_table,
+from detpipe.evaluation.error_analysis import (SPECIAL_ERRORS, TIDE_ERRORS, ErrorAnalysis, confusion_rows, confusion_table,
                                        worst_images)
 from detpipe.errors import StageError
 from detpipe.files import atomic_dir, atomic_write_bytes, atomic_write_json
@@ -35,7 +35,7 @@ def write_plots(plots_dir: Path, result, dets: list[dict], gt: dict, val_dir: Pa
         val_dir: the val split's Arrow folder (``data/arrow/val``).
         num_images: how many val images to draw.
         score_threshold: the lowest score of a drawn prediction.
-        errors, num_worst_images: the error analysis of the same detections (`detpipe.evaluation.errors.analyze`)
+        errors, num_worst_images: the error analysis of the same detections (`detpipe.evaluation.error_analysis.analyze`)
             and how many worst images to draw: `write_error_plots` (None: no error plots).
     Raises:
         StageError: an image of the shards cannot be decoded (`detpipe.data.imageio.decode_rgb`).
@@ -76,17 +76,17 @@ WORST_IMAGE_COLORS = {"true positive": "lime", "false positive (class score)": "
 def write_error_plots(plots_dir: Path, analysis: ErrorAnalysis, val_dir: Path, num_worst: int) -> None:
     """The error analysis' plots, each replaced atomically:
 
-    * ``confusion.json``: `detpipe.evaluation.errors.confusion_rows` (``{"confusion": [{"actual", "predicted"}]}``,
+    * ``confusion.json``: `detpipe.evaluation.error_analysis.confusion_rows` (``{"confusion": [{"actual", "predicted"}]}``,
       one row per count, for DVC's ``confusion`` template);
-    * ``confusion_counts.json``: `detpipe.evaluation.errors.confusion_table` (counts and row-normalized);
+    * ``confusion_counts.json``: `detpipe.evaluation.error_analysis.confusion_table` (counts and row-normalized);
     * ``errors.json``: ``{"errors": [{"error": type, "dAP50": ΔAP50}]}`` for the six TIDE types then FP, FN (a bar
       plot; fractions of 1 like ``bbox.AP50``);
-    * ``worst_images/<rank>_<image_id>.png``: `detpipe.evaluation.errors.worst_images`' ``num_worst`` images (rank
+    * ``worst_images/<rank>_<image_id>.png``: `detpipe.evaluation.error_analysis.worst_images`' ``num_worst`` images (rank
       from 1, zero-padded so names sort), original size, boxes in `WORST_IMAGE_COLORS` with a legend strip below.
 
     Args:
         plots_dir: the plots folder (``plots/``).
-        analysis: `detpipe.evaluation.errors.analyze`'s result on the val split.
+        analysis: `detpipe.evaluation.error_analysis.analyze`'s result on the val split.
         val_dir: the val split's Arrow folder (``data/arrow/val``), where the images are read.
         num_worst: how many worst images to draw (fewer when fewer images have errors).
     Raises:

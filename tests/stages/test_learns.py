@@ -131,7 +131,7 @@ def test_error_analysis_of_the_fitted_model(fitted_workdir):
     from detpipe.data.dataset import CachedDetectionDataset
     from detpipe.data.meta import read_meta
     from detpipe.evaluation.detections import detect_dataset, label_to_category_id
-    from detpipe.evaluation.errors import analyze
+    from detpipe.evaluation.error_analysis import analyze
     from detpipe.evaluation.ground_truth import gt_from_arrow
     from detpipe.models import load_model
 

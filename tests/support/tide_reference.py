@@ -1,13 +1,13 @@
 """The reference TIDE figures for tests: ``tidecv`` 1.0.1 (Bolya et al., "TIDE: A General Toolbox for Identifying
 Object Detection Errors", ECCV 2020; test-only dependency, as pycocotools is for mAP) run on COCO-format ground truth
-and detections, and ours (`detpipe.evaluation.errors`) in the same unit, AP points (AP x 100).
+and detections, and ours (`detpipe.evaluation.error_analysis`) in the same unit, AP points (AP x 100).
 
-tidecv's matching departs from COCOeval's in the ways detpipe/evaluation/errors.py's docstring lists;
+tidecv's matching departs from COCOeval's in the ways detpipe/evaluation/error_analysis.py's docstring lists;
 `comparable_detections` removes from a detection set what would make them differ (so any remaining difference is the
 analysis', not the matching conventions')."""
 from __future__ import annotations
 
-from detpipe.evaluation.errors import SPECIAL_ERRORS, TIDE_ERRORS
+from detpipe.evaluation.error_analysis import SPECIAL_ERRORS, TIDE_ERRORS
 
 TIDE_NAMES = {"cls": "Cls", "loc": "Loc", "both": "Both", "dupe": "Dupe", "bkg": "Bkg", "miss": "Miss",
               "FP": "FalsePos", "FN": "FalseNeg"}
@@ -41,7 +41,7 @@ def tidecv_points(gt: dict, dets: list[dict]) -> dict[str, float]:
 
 
 def ours_points(analysis) -> dict[str, float]:
-    """`detpipe.evaluation.errors.ErrorAnalysis`' AP50 and ΔAP in AP points, keyed as `tidecv_points`."""
+    """`detpipe.evaluation.error_analysis.ErrorAnalysis`' AP50 and ΔAP in AP points, keyed as `tidecv_points`."""
     return {"AP50": 100 * analysis.ap50, **{k: 100 * v for k, v in analysis.delta_ap50.items()}}
 
 

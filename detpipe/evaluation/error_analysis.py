@@ -23,7 +23,7 @@ Matching (`FG_IOU` = 0.5): exactly COCOeval's (pycocotools ``cocoeval.py``, ``ev
 class at ≥ 0.5, which marks the detection *ignored* (neither true nor false positive; crowd regions are never
 missed and can absorb many detections). IoU is ``pycocotools.mask.iou``, as COCOeval's. AP is COCO's (101-point
 interpolated precision, classes without non-crowd ground truth left out of the mean), so the base AP50 here is
-COCOeval's AP50 (tests/unit/test_errors.py checks it to 1e-9 on the COCO API's example detections).
+COCOeval's AP50 (tests/unit/test_error_analysis.py checks it to 1e-9 on the COCO API's example detections).
 
 TIDE error types of a false positive (paper, "Main Error Types"; tidecv ``TIDERun._eval_image``, checked in this order;
 IoU with non-crowd ground truth; `BG_IOU` = 0.1):
@@ -44,7 +44,7 @@ every false positive scored below every true positive (perfect precision, same r
 ground truth removed (perfect recall, same precision); these two are not clamped.
 
 Where this departs from tidecv 1.0.1 (the numbers agree within 0.1 AP points where none of these occur:
-tests/unit/test_errors.py):
+tests/unit/test_error_analysis.py):
 
 1. classes with detections but no ground truth: tidecv puts them in the mean with AP 0; COCO (and this module)
    leaves them out. After a fix leaves a class with no ground truth (``miss``, ``FN``), both give it AP 0 if it

@@ -1,4 +1,4 @@
-"""Tests of detpipe/evaluation/errors.py (TIDE error breakdown, confusion matrix, worst images): the base AP50 is
+"""Tests of detpipe/evaluation/error_analysis.py (TIDE error breakdown, confusion matrix, worst images): the base AP50 is
 COCOeval's to 1e-9 and the ΔAP agree with the reference ``tidecv`` package (Bolya et al., ECCV 2020; test-only
 dependency, as pycocotools is for mAP) within 0.1 AP points on the COCO API's example detections
 (tests/data/coco_eval_reference); where tidecv's own matching departs from COCO's, a hand-made case each, worked by
@@ -14,7 +14,7 @@ import pytest
 
 from detpipe.errors import StageError
 from detpipe.evaluation.coco_metrics import BACKENDS, coco_evaluate
-from detpipe.evaluation.errors import SPECIAL_ERRORS, TIDE_ERRORS, analyze, confusion_rows, worst_images
+from detpipe.evaluation.error_analysis import SPECIAL_ERRORS, TIDE_ERRORS, analyze, confusion_rows, worst_images
 from support.tide_reference import comparable_detections, ours_points, tidecv_points
 
 REF = Path(__file__).resolve().parents[1] / "data" / "coco_eval_reference"
