@@ -78,7 +78,7 @@ from typing import Iterator
 
 from detpipe.data.coco_schema import polygon_area
 from detpipe.data.safe_xml import iter_events
-from detpipe.data.translate import CocoWriter, Dataset, Translated, displayed_fix, to_stored
+from detpipe.data.translate import CocoWriter, Dataset, Translated, count_finding, displayed_fix, to_stored
 from detpipe.errors import StageError
 
 log = logging.getLogger(__name__)
@@ -288,15 +288,6 @@ def rotated_bounds(box: list[float], degrees: float) -> list[float]:
     return [cx - bw / 2, cy - bh / 2, bw, bh]
 
 
-def _count(section: dict, key: str, example: dict, by: str | None = None) -> None:
-    entry = section[key]
-    entry["count"] += 1
-    if by is not None:
-        entry["by_type"][by] = entry["by_type"].get(by, 0) + 1
-    if len(entry["examples"]) < 5:
-        entry["examples"].append(example)
-
-
 def _used_labels(path: Path) -> list[str]:
     used: set[str] = set()
     for kind, im in iter_cvat(path):
@@ -346,7 +337,7 @@ def read(raw_root: Path, params, tmp: Path) -> Dataset:
         split = SUBSETS.get(sub.strip().lower())
         where = f"image {im.name!r}"
         if split is None:
-            _count(section, "images_other_subset", {"file": str(path), "record": where,
+            count_finding(section, "images_other_subset", {"file": str(path), "record": where,
                                                     "detail": f"subset {sub!r} is neither train nor validation; "
                                                               f"skipped with its {len(im.shapes)} element(s)"})
             continue
@@ -360,7 +351,7 @@ def read(raw_root: Path, params, tmp: Path) -> Dataset:
         for s in im.shapes:
             rec = f"{where} element {s.element}"
             if s.kind not in BOX_ELEMENTS:
-                _count(section, "skipped_shapes", {"split": split, "file": str(path), "record": rec,
+                count_finding(section, "skipped_shapes", {"split": split, "file": str(path), "record": rec,
                                                    "detail": f"<{s.kind}> is not a box or polygon; skipped"},
                        by=s.kind)
                 continue
@@ -373,7 +364,7 @@ def read(raw_root: Path, params, tmp: Path) -> Dataset:
                 box, area = [xtl, ytl, xbr - xtl, ybr - ytl], (xbr - xtl) * (ybr - ytl)
                 if s.rotation % 360:
                     box = rotated_bounds(s.points, s.rotation)
-                    _count(section, "rotated_boxes", {"split": split, "file": str(path), "record": rec,
+                    count_finding(section, "rotated_boxes", {"split": split, "file": str(path), "record": rec,
                                                       "detail": f"rotation {s.rotation} degrees: box = the rotated "
                                                                 f"rectangle's axis-aligned bounds"})
             else:
@@ -385,13 +376,13 @@ def read(raw_root: Path, params, tmp: Path) -> Dataset:
             extra = {}
             if s.occluded:
                 extra["attributes"] = {"occluded": True}
-                _count(section, "occluded_objects", {"split": split, "file": str(path), "record": rec,
+                count_finding(section, "occluded_objects", {"split": split, "file": str(path), "record": rec,
                                                      "detail": f"occluded {s.kind} of label {s.label!r}; kept "
                                                                f"(not in the Arrow rows)"})
             writer.annotation(image_id, cat[s.label], box, area, 0, file_index, s.element, seg, **extra)
             written += 1
         if not written:
-            _count(section, "images_without_objects", {"split": split, "file": str(path), "record": where,
+            count_finding(section, "images_without_objects", {"split": split, "file": str(path), "record": where,
                                                        "detail": "no box or polygon; kept as a negative"})
     categories = [{"id": i, "name": n} for n, i in cat.items()]
     n_images = {s: w.images for s, w in writers.items()}

@@ -83,7 +83,7 @@ from pathlib import Path
 import orjson
 
 from detpipe.data.coco_schema import polygon_area
-from detpipe.data.translate import CocoWriter, Dataset, Translated, displayed_fix, to_stored
+from detpipe.data.translate import CocoWriter, Dataset, Translated, count_finding, displayed_fix, to_stored
 from detpipe.errors import StageError
 
 log = logging.getLogger(__name__)
@@ -298,16 +298,6 @@ def image_rel(json_rel: str, image_path: str, where: str) -> str:
     return rel
 
 
-def _count(section: dict, key: str, example: dict, by: str | None = None) -> None:
-    entry = section.setdefault(key, {"count": 0, "examples": []})
-    entry["count"] += 1
-    if by is not None:
-        entry.setdefault("by_type", {})
-        entry["by_type"][by] = entry["by_type"].get(by, 0) + 1
-    if len(entry["examples"]) < 5:
-        entry["examples"].append(example)
-
-
 def read_labels_txt(path: Path) -> list[str]:
     """Class names of labelme's ``labels.txt``: one a line, blank lines and ``__ignore__`` / ``_background_`` left
     out, in file order.
@@ -345,7 +335,7 @@ def to_coco(raw_root: Path, files: list[str], split: str, cat: dict[str, int], o
         path = raw_root / rel
         doc = parse_file(path)
         if doc is None:
-            _count(section, "json_not_labelme", {"split": split, "file": str(path),
+            count_finding(section, "json_not_labelme", {"split": split, "file": str(path),
                                                  "detail": "no 'shapes' or 'imagePath' key at the top; skipped"})
             continue
         image = image_rel(rel, doc.image_path, str(path))
@@ -355,12 +345,12 @@ def to_coco(raw_root: Path, files: list[str], split: str, cat: dict[str, int], o
         if doc.image_data:
             section["image_data_not_decoded"] = section.get("image_data_not_decoded", 0) + 1
         for index, kind in doc.skipped:
-            _count(section, "skipped_shapes", {"split": split, "file": str(path), "record": f"shape {index}",
+            count_finding(section, "skipped_shapes", {"split": split, "file": str(path), "record": f"shape {index}",
                                                "detail": f"shape_type {kind!r} is not a box; skipped"}, by=kind)
         written = 0
         for obj in doc.objects:
             if obj.label not in cat:
-                _count(section, "labels_not_in_list", {"split": split, "file": str(path),
+                count_finding(section, "labels_not_in_list", {"split": split, "file": str(path),
                                                        "record": f"shape {obj.record}",
                                                        "detail": f"label {obj.label!r} is not in {LABELS_TXT}; "
                                                                  f"skipped"})
@@ -369,13 +359,13 @@ def to_coco(raw_root: Path, files: list[str], split: str, cat: dict[str, int], o
             if fix is not None:
                 box, seg = to_stored(box, seg, fix)
             if obj.parts > 1:
-                _count(section, "grouped_objects", {"split": split, "file": str(path), "record": f"shape {obj.record}",
+                count_finding(section, "grouped_objects", {"split": split, "file": str(path), "record": f"shape {obj.record}",
                                                     "detail": f"{obj.parts} shapes of label {obj.label!r} with one "
                                                               f"group_id merged into one object"})
             writer.annotation(image_id, cat[obj.label], box, obj.area, 0, k, obj.record, seg)
             written += 1
         if not written:
-            _count(section, "images_without_objects", {"split": split, "file": str(path),
+            count_finding(section, "images_without_objects", {"split": split, "file": str(path),
                                                        "detail": "no rectangle or polygon; kept as a negative"})
     return writer.close([{"id": i, "name": n} for n, i in cat.items()])
 
@@ -405,7 +395,7 @@ def read(raw_root: Path, params, tmp: Path) -> Dataset:
             if is_labelme(raw_root / rel):
                 files[split].append(rel)
             else:
-                _count(section, "json_not_labelme", {"split": split, "file": str(raw_root / rel),
+                count_finding(section, "json_not_labelme", {"split": split, "file": str(raw_root / rel),
                                                      "detail": "no 'shapes' and 'imagePath' keys; skipped"})
         if not files[split]:
             where = raw_root / split if "val" in splits else raw_root

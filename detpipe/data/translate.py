@@ -23,8 +23,24 @@ from typing import Callable
 import orjson
 from PIL import Image, UnidentifiedImageError
 
+from detpipe.data.coco_schema import MAX_EXAMPLES
+
 
 _INVERSE = {2: 2, 3: 3, 4: 4, 5: 5, 6: 8, 7: 7, 8: 6}     # EXIF orientation -> its inverse
+
+
+def count_finding(section: dict, key: str, example: dict, by: str | None = None) -> None:
+    """Count one finding of a format reader in its ``report.json`` section: ``section[key]`` becomes
+    ``{"count", "examples"}`` (the first `detpipe.data.coco_schema.MAX_EXAMPLES` examples, as the COCO path's rules
+    keep them) and, with ``by``, ``"by_type"``: counts per kind (e.g. a skipped shape's type). The one counter of
+    the YOLO, VOC, LabelMe and CVAT readers (the COCO path's rules go through `coco_schema.Report`)."""
+    entry = section.setdefault(key, {"count": 0, "examples": []})
+    entry["count"] += 1
+    if by is not None:
+        by_type = entry.setdefault("by_type", {})
+        by_type[by] = by_type.get(by, 0) + 1
+    if len(entry["examples"]) < MAX_EXAMPLES:
+        entry["examples"].append(example)
 
 
 def image_size(path: Path) -> tuple[int, int, int]:

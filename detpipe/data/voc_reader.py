@@ -92,7 +92,7 @@ from xml.etree.ElementTree import Element
 from PIL import Image, UnidentifiedImageError
 
 from detpipe.data.safe_xml import parse
-from detpipe.data.translate import CocoWriter, Dataset, Translated, image_size
+from detpipe.data.translate import CocoWriter, Dataset, Translated, count_finding, image_size
 from detpipe.errors import StageError
 
 log = logging.getLogger(__name__)
@@ -253,13 +253,6 @@ def image_sets(raw_root: Path) -> tuple[dict[str, tuple[str, list[tuple[str, int
     return None, f"no lists in {IMAGE_SETS}: every {ANNOTATIONS}/*.xml -> train, split by val_fraction"
 
 
-def _count(section: dict, key: str, example: dict) -> None:
-    entry = section.setdefault(key, {"count": 0, "examples": []})
-    entry["count"] += 1
-    if len(entry["examples"]) < 5:
-        entry["examples"].append(example)
-
-
 def _image_path(ann: VocAnnotation, xml: str, xml_path: Path) -> tuple[str, bool]:
     """``(JPEGImages/<filename>, whether the file name came from the annotation's stem)``."""
     if ann.filename is None:
@@ -291,7 +284,7 @@ def to_coco(raw_root: Path, files: list[str], cat_ids: dict[str, int], out: Path
         ann = parse_annotation(path)
         image, from_stem = _image_path(ann, xml, path)
         if from_stem:
-            _count(section, "filename_from_stem", {"split": split, "file": str(path),
+            count_finding(section, "filename_from_stem", {"split": split, "file": str(path),
                                                    "detail": f"no <filename>: image {image}"})
         exists = (raw_root / image).is_file()
         if not exists and strict:
@@ -305,12 +298,12 @@ def to_coco(raw_root: Path, files: list[str], cat_ids: dict[str, int], out: Path
             except (OSError, UnidentifiedImageError, ValueError, Image.DecompressionBombError):
                 size = (1, 1)       # the COCO path reads the file again and counts it as missing or unreadable
             if exists:
-                _count(section, "size_from_image", {"split": split, "file": str(path),
+                count_finding(section, "size_from_image", {"split": split, "file": str(path),
                                                     "detail": f"no <size>: {size[0]}x{size[1]} from {image}"})
         image_id = writer.image(image, size[0], size[1])
         t.image_file.append(k)
         if not ann.objects:
-            _count(section, "files_without_objects", {"split": split, "file": str(path),
+            count_finding(section, "files_without_objects", {"split": split, "file": str(path),
                                                       "detail": "no <object>: a negative image"})
         for n, obj in enumerate(ann.objects, 1):
             box = obj.coco_bbox()
@@ -347,7 +340,7 @@ def _splits(raw_root: Path, section: dict, strict: bool) -> dict[str, tuple[str,
             if iid in have:
                 files.append(iid)
                 continue
-            _count(section, "listed_without_annotation",
+            count_finding(section, "listed_without_annotation",
                    {"split": split, "file": str(raw_root / list_file), "record": f"line {line}",
                     "detail": f"no {ANNOTATIONS}/{iid}.xml; skipped"})
             if strict:
@@ -362,7 +355,7 @@ def _splits(raw_root: Path, section: dict, strict: bool) -> dict[str, tuple[str,
     listed = {i for _, ids in lists.values() for i, _ in ids}
     for iid in present:
         if iid not in listed:
-            _count(section, "annotations_not_listed", {"file": str(folder / f"{iid}.xml"),
+            count_finding(section, "annotations_not_listed", {"file": str(folder / f"{iid}.xml"),
                                                        "detail": "in no read list of ImageSets/Main; skipped"})
     return out
 

@@ -47,7 +47,8 @@ import yaml
 from PIL import Image, UnidentifiedImageError
 
 from detpipe.data.coco_schema import polygon_area
-from detpipe.data.translate import CocoWriter, Dataset, Translated, image_size, needs_stored_frame, to_stored
+from detpipe.data.translate import (CocoWriter, Dataset, Translated, count_finding, image_size, needs_stored_frame,
+                                    to_stored)
 from detpipe.errors import StageError
 
 log = logging.getLogger(__name__)
@@ -218,7 +219,7 @@ def to_coco(data: YoloData, images: list[str], raw_root: Path, out: Path, split:
     """
     t = Translated(out, f"{data.path} ('{split}' images)", images, label_path, "line")
     writer = CocoWriter(t)
-    neg = report.setdefault("images_without_labels", {"count": 0, "examples": []})
+    report.setdefault("images_without_labels", {"count": 0, "examples": []})
     for k, rel in enumerate(images):
         try:
             w, h, orient = image_size(raw_root / rel)
@@ -229,10 +230,8 @@ def to_coco(data: YoloData, images: list[str], raw_root: Path, out: Path, split:
         try:
             f = open(raw_root / lab, encoding="utf-8", errors="strict")
         except FileNotFoundError:
-            neg["count"] += 1
-            if len(neg["examples"]) < 5:
-                neg["examples"].append({"split": split, "file": str(raw_root / rel),
-                                        "detail": f"no label file {lab}; kept as a negative"})
+            count_finding(report, "images_without_labels", {"split": split, "file": str(raw_root / rel),
+                                                            "detail": f"no label file {lab}; kept as a negative"})
             continue
         with f:
             try:
@@ -293,7 +292,7 @@ def read(raw_root: Path, params, tmp: Path) -> Dataset:
 def labels_without_image(data: YoloData, raw_root: Path, report: dict) -> None:
     """Count (``labels_without_image`` in ``report``, first 5 examples) the ``.txt`` files in the label folders of
     the listed images that belong to no listed image; they are skipped."""
-    entry = report.setdefault("labels_without_image", {"count": 0, "examples": []})
+    report.setdefault("labels_without_image", {"count": 0, "examples": []})
     wanted = {label_path(p) for p in data.train + (data.val or [])}
     folders = sorted({os.path.dirname(p) for p in wanted})
     for folder in folders:
@@ -303,7 +302,5 @@ def labels_without_image(data: YoloData, raw_root: Path, report: dict) -> None:
         for name in sorted(os.listdir(d)):
             rel = f"{folder}/{name}" if folder else name
             if name.endswith(".txt") and rel not in wanted and name not in ("classes.txt",):
-                entry["count"] += 1
-                if len(entry["examples"]) < 5:
-                    entry["examples"].append({"file": str(raw_root / rel),
-                                              "detail": "no image with this stem is listed; skipped"})
+                count_finding(report, "labels_without_image", {"file": str(raw_root / rel),
+                                                               "detail": "no image with this stem is listed; skipped"})
