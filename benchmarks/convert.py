@@ -156,8 +156,9 @@ def validation_floor(folder: Path, workers: int, write_to: Path | None = None) -
 CONVERT_CODE = ("import sys, json; from detpipe.data.convert import convert; from detpipe.params import Convert; "
                 "convert(sys.argv[1], sys.argv[2], Convert(**json.loads(sys.argv[3])), progress=False)")
 JSON_ONLY_CODE = ("import sys, json, tempfile; from pathlib import Path; import detpipe.data.convert; "
-                  "import detpipe.data.coco_reader as c; p = Path(sys.argv[1]) / 'annotations/instances_train2017.json'; "
-                  "c.index(c.read_coco(p, Path(tempfile.gettempdir())), 'train', c.Report())")
+                  "import detpipe.data.coco_reader as c, detpipe.data.coco_json as j; "
+                  "p = Path(sys.argv[1]) / 'annotations/instances_train2017.json'; "
+                  "c.index(j.read_coco(p, Path(tempfile.gettempdir())), 'train', c.Report())")
 
 
 def main() -> None:

@@ -53,7 +53,7 @@ Rows within a split are in ascending ``image_id`` order.
 
 Split: without ``val_annotations`` the unique image ids of the one file are sorted, permuted with
 ``numpy.random.default_rng(seed).permutation`` and the first ``round(n * val_fraction)`` go to val
-(`detpipe.data.coco_reader.val_positions`; `split_ids` gives the same split of a list of ids).
+(`detpipe.data.split.val_positions`; `split_ids` gives the same split of a list of ids).
 With ``val_annotations`` (images in ``val_images``, default ``images``) that file is the val split,
 ``val_fraction`` is ignored, and its categories must equal the train file's (same ids and names) or the stage
 fails.
@@ -78,7 +78,7 @@ still entropy-decodes every block, skipping only the full-size IDCT and colour c
 files as ``decode_rgb`` at about 40 % of its cost (tests/stages/test_convert.py checks the agreement on truncated and
 garbled COCO images). Other formats are decoded in full with ``decode_rgb``.
 
-Streaming and parallel: the annotation file is never held whole (`detpipe.data.coco_reader.read_coco`): it is
+Streaming and parallel: the annotation file is never held whole (`detpipe.data.coco_json.read_coco`): it is
 read in chunks of 2 MiB, each image and annotation record is parsed alone (orjson) and checked, and only compact
 columns stay (per image id, width, height and file name; per annotation id, image id and where its JSON text lies
 in the file); ids are deduplicated and sorted with numpy (`detpipe.data.coco_reader.index`). Shards are planned from
@@ -111,7 +111,9 @@ from typing import Iterator
 
 import numpy as np
 
-from detpipe.data.coco_reader import ImageTable, gc_paused, index, read_coco, split_ids, val_positions
+from detpipe.data.coco_json import gc_paused, read_coco
+from detpipe.data.coco_reader import ImageTable, index
+from detpipe.data.split import split_ids, val_positions
 from detpipe.data.coco_schema import LEAK_ACTIONS, Report
 from detpipe.data.cocoarrow import (PHASH_BITS, SCHEMA, ShardResult, convert_shard, plan_shards, write_leak_check)
 from detpipe.data.imageio import inspect_image, preload_phash

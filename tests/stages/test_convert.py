@@ -20,8 +20,8 @@ from PIL import Image, ImageDraw
 from pycocotools import mask as mask_utils
 
 from detpipe.errors import StageError
-from detpipe.data import coco_reader
-from detpipe.data.coco_reader import load_json, read_coco
+from detpipe.data import coco_json
+from detpipe.data.coco_json import load_json, read_coco
 from detpipe.data.coco_schema import RULES, check_coco
 from detpipe.data.convert import convert, inspect_image, split_ids
 from detpipe.data.imageio import decode_rgb
@@ -1034,13 +1034,13 @@ def test_streaming_reader_agrees_with_the_whole_parse(tmp_path, coco, monkeypatc
     kinds = set()
     for k in range(250):
         path.write_bytes(fixed[k] if k < len(fixed) else _mutated(text, rng))
-        monkeypatch.setattr(coco_reader, "CHUNK_BYTES", int(rng.choice([16, 100, 1000, 8 << 20])))
+        monkeypatch.setattr(coco_json, "CHUNK_BYTES", int(rng.choice([16, 100, 1000, 8 << 20])))
         got = outcome(streamed)
         assert got == outcome(whole), path.read_bytes()
         kinds.add(got[0] if got[0] == "error" else f"ok fast={got[1]}")
     assert kinds == {"error", "ok fast=True", "ok fast=False"}
     for size in (16, 100, 1000, 8 << 20):       # valid files are read record by record, not parsed whole
-        monkeypatch.setattr(coco_reader, "CHUNK_BYTES", size)
+        monkeypatch.setattr(coco_json, "CHUNK_BYTES", size)
         for k, fast in ((0, True), (1, False)):
             path.write_bytes(fixed[k])
             cols = read_coco(path, tmp_path)

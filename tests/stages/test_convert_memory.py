@@ -25,7 +25,7 @@ _LIMITED = ("import resource, sys; limit = int(sys.argv[1]) << 20; "
 _CONVERT = ("import json; from detpipe.data.convert import convert; from detpipe.params import Convert; "
             "convert(sys.argv[1], sys.argv[2], Convert(annotations='annotations/instances_train2017.json', "
             "images='train2017', val_fraction=0.2, seed=0, workers=1), progress=False, label_plots=sys.argv[3])")
-_WHOLE = "from pathlib import Path; from detpipe.data.coco_reader import load_json; load_json(Path(sys.argv[1]))"
+_WHOLE = "from pathlib import Path; from detpipe.data.coco_json import load_json; load_json(Path(sys.argv[1]))"
 
 
 def _dataset(root: Path) -> tuple[Path, list]:
