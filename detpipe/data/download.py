@@ -41,8 +41,9 @@ import tempfile
 from pathlib import Path
 from typing import Optional, Sequence
 
-from detpipe.data.fetch import (BACKOFF_S, CHUNK_BYTES, MAX_COMPRESSION_RATIO, MAX_EXTRACT_BYTES, archive_kind,
-                                check_relpath, extract, fetch, source_name)
+from detpipe.data.archives import (MAX_COMPRESSION_RATIO, MAX_EXTRACT_BYTES, archive_kind, check_relpath, extract,
+                                   source_name)
+from detpipe.data.fetch import BACKOFF_S, CHUNK_BYTES, fetch
 from detpipe.errors import StageError
 from detpipe.files import atomic_dir, folder_sha256, local_path, redact_url, sha256_file, temp_prefix, url_protocol
 from detpipe.params import Download

@@ -23,7 +23,8 @@ import pytest
 import yaml
 
 from detpipe.errors import StageError
-from detpipe.data.fetch import extract, fetch, http_fetch
+from detpipe.data.archives import extract
+from detpipe.data.fetch import fetch, http_fetch
 from detpipe.files import folder_sha256
 from detpipe.data.download import download, download_parts, download_raw
 from detpipe.params import Download, DownloadPart, load
