@@ -14,7 +14,7 @@ of ``--repeat`` per mode. Printed: seconds per image of each mode (best run / im
 process and its workers, user + system, which a shared machine's load moves less), the difference per image,
 and, measured in this process on the 128 distinct COCO128 files, the hashing cost per image
 (`detpipe.data.imageio.inspect` with ``phash=True`` minus without: the two pHashes on the 1/8-scale decode the
-check makes anyway) and the comparison cost per val image (`detpipe.data.cocoarrow.nearest_train`) against this
+check makes anyway) and the comparison cost per val image (`detpipe.data.leaks.nearest_train`) against this
 run's train images and against 118,287 random hashes (COCO train2017's size).
 
 Last line: ``ratio: X`` = report seconds / off seconds (best runs).
@@ -78,7 +78,7 @@ def hashing_ms(rounds: int = 5) -> tuple[float, float, float]:
 def nearest_us(n_train: int, queries: int = 200) -> float:
     """Microseconds per val image of `nearest_train` against ``n_train`` random train hash pairs (memory-mapped,
     as the val workers read them)."""
-    from detpipe.data.cocoarrow import LeakCheck, load_leak_check, nearest_train
+    from detpipe.data.leaks import LeakCheck, load_leak_check, nearest_train
 
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory(prefix="bench-leaks-") as folder:

@@ -3,7 +3,7 @@
 
 On the 128 real COCO128 images, with the product's own hashing (`detpipe.data.imageio.inspect` with
 ``phash=True``: ImageHash's 64-bit pHash of the whole frame and of its central 90 %, on the 1/8-scale JPEG
-decode) and distance (`detpipe.data.cocoarrow.nearest_train`: the smallest of whole vs whole, whole vs central
+decode) and distance (`detpipe.data.leaks.nearest_train`: the smallest of whole vs whole, whole vs central
 part, central part vs whole):
 
 * distinct images: for each image its nearest other COCO128 image (128 nearest-neighbour distances), and every
@@ -51,7 +51,7 @@ def hashes(data: bytes) -> tuple[int, int]:
 
 
 def distance(a: tuple[int, int], b: tuple[int, int]) -> int:
-    """`detpipe.data.cocoarrow.nearest_train`'s distance between two images' hash pairs."""
+    """`detpipe.data.leaks.nearest_train`'s distance between two images' hash pairs."""
     return min(bin(a[0] ^ b[0]).count("1"), bin(a[0] ^ b[1]).count("1"), bin(a[1] ^ b[0]).count("1"))
 
 

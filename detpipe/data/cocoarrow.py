@@ -14,7 +14,6 @@ worker process (or in-process) and holds one image's annotations and one record 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 import os
@@ -30,6 +29,7 @@ from detpipe.data.coco_schema import LEAK_ACTIONS, Report, to_rle
 from detpipe.data.geometry import orient_box, orient_segmentation
 from detpipe.data.imageio import Unreadable, inspect
 from detpipe.data.label_stats import LabelStats
+from detpipe.data.leaks import PHASH_BITS, LeakCheck, image_key, load_leak_check, nearest_train, train_copy
 from detpipe.errors import StageError
 
 SCHEMA = pa.schema(
@@ -57,21 +57,7 @@ BATCH_BYTES = 16 << 20              # image bytes, or segmentation text, per Arr
 BATCH_ROWS = 1024
 SPREAD_SHARDS = 16                  # shards per split at least, while each keeps MIN_SHARD_BYTES (balance)
 MIN_SHARD_BYTES = 8_000_000
-NEAR_CHUNK = 1 << 20                # train hashes compared per numpy call in nearest_train (bounds its temporaries)
-PHASH_BITS = 64
 _OBJECT_COLUMNS = ("ann_id", "bbox", "category_id", "label", "iscrowd", "area", "segmentation", "occluded")
-
-
-@dataclasses.dataclass
-class LeakCheck:
-    """Where a val shard finds the train images that were kept (written by `write_leak_check`): ``folder`` holds
-    ``keys.npy`` (int64, ascending: the first 8 bytes of each image's SHA-1), ``rows.npy`` ((n, 3) int64: image
-    id, start and end of its file name in ``names.npy``, uint8 UTF-8) and, when ``convert.leaks`` is not off,
-    ``phash.npy`` ((2, n) uint64: row 0 each image's whole-frame pHash, row 1 its central part's,
-    `detpipe.data.imageio.phash_pair`; rows contiguous for the scan) in the same order; names are
-    relative to ``images_dir``. Val shard workers memory-map them (`load_leak_check`)."""
-    folder: str
-    images_dir: str
 
 
 @dataclasses.dataclass
@@ -228,94 +214,6 @@ def _orienter(width: int, height: int, orientation: int):
             seg = orient_segmentation(seg, width, height, orientation)
         return orient_box(box, width, height, orientation), seg
     return orient
-
-
-def image_key(data: bytes | memoryview) -> int:
-    """The first 8 bytes of the SHA-1 of ``data`` as a little-endian int64 (equal bytes give equal keys; equal keys
-    are confirmed byte by byte before two files are called equal)."""
-    return int.from_bytes(hashlib.sha1(data).digest()[:8], "little", signed=True)
-
-
-def load_leak_check(leak: LeakCheck) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
-    """The arrays of ``leak`` (memory-mapped): keys, rows, names, and phash (None when not written)."""
-    arrays = [np.load(os.path.join(leak.folder, f"{name}.npy"), mmap_mode="r") for name in ("keys", "rows", "names")]
-    phash = os.path.join(leak.folder, "phash.npy")
-    return (*arrays, np.load(phash, mmap_mode="r") if os.path.exists(phash) else None)
-
-
-def train_copy(leak: LeakCheck, tables: tuple, key: int, data: memoryview) -> tuple[int, str] | None:
-    """``(image id, path)`` of a kept train image whose file holds exactly ``data`` (`image_key` ``key``), or None
-    (also when that train file cannot be read any more: equality not confirmed). ``tables``: `load_leak_check`."""
-    keys, rows, names, _ = tables
-    k = int(np.searchsorted(keys, key))
-    while k < len(keys) and keys[k] == key:
-        image_id, start, end = rows[k].tolist()
-        path = os.path.join(leak.images_dir, bytes(names[start:end]).decode())
-        try:
-            with open(path, "rb") as f:
-                if f.read() == data:
-                    return image_id, path
-        except OSError:
-            pass
-        k += 1
-    return None
-
-
-def nearest_train(leak: LeakCheck, tables: tuple, hashes: tuple[int, int]) -> tuple[int, int, str] | None:
-    """The kept train image nearest to a val image by pHash: ``(Hamming distance 0..64, train image id, path)``,
-    or None when there are no train hashes. The distance is the smallest of whole frame vs whole frame, val's
-    whole frame vs train's central part (val a crop of train) and val's central part vs train's whole frame
-    (train a crop of val), each the popcount of the XOR of two `detpipe.data.imageio.phash64` (``np.bitwise_count``
-    over all train hashes, `NEAR_CHUNK` at a time: ~11 bytes of temporaries per train image of a chunk, at most
-    ~11 MB, and O(train images) time per val image: ~0.4 ms per 100,000 train images on one core, ``python -m
-    benchmarks.convert_leaks``). Ties go to the lowest train image id.
-
-    Args:
-        leak: the `LeakCheck` ``tables`` were loaded from (for the train image's path).
-        tables: `load_leak_check` of ``leak``.
-        hashes: the val image's `detpipe.data.imageio.phash_pair` (two ints in [0, 2**64)).
-    """
-    _, rows, names, phash = tables
-    if phash is None or not phash.shape[1]:
-        return None
-    whole, centre = np.uint64(hashes[0]), np.uint64(hashes[1])
-    best, found = PHASH_BITS + 1, [np.zeros(0, np.int64)]
-    n = phash.shape[1]
-    xor = np.empty(min(n, NEAR_CHUNK), np.uint64)
-    for start in range(0, n, NEAR_CHUNK):
-        t_whole = np.asarray(phash[0, start:start + NEAR_CHUNK])
-        t_centre = np.asarray(phash[1, start:start + NEAR_CHUNK])
-        x = xor[:len(t_whole)]
-        dist = np.bitwise_count(np.bitwise_xor(t_whole, whole, out=x))
-        np.minimum(dist, np.bitwise_count(np.bitwise_xor(t_centre, whole, out=x)), out=dist)
-        np.minimum(dist, np.bitwise_count(np.bitwise_xor(t_whole, centre, out=x)), out=dist)
-        low = int(dist.min())
-        if low < best:
-            best, found = low, []
-        if low == best:
-            found.append(np.flatnonzero(dist == low) + start)
-    at = np.concatenate(found)
-    k = int(at[np.argmin(rows[at, 0])])
-    image_id, start, end = rows[k].tolist()
-    return best, image_id, os.path.join(leak.images_dir, bytes(names[start:end]).decode())
-
-
-def write_leak_check(folder: Path, table: ImageTable, rows: np.ndarray, keys: np.ndarray, images_dir: Path,
-                     phashes: np.ndarray | None = None) -> LeakCheck:
-    """Write the `LeakCheck` of the kept train images (``rows`` of ``table`` with SHA-1 keys ``keys`` and, unless
-    None, `detpipe.data.imageio.phash_pair` hashes ``phashes``, (len(rows), 2) uint64) into the new folder
-    ``folder``."""
-    folder.mkdir()
-    order = np.argsort(keys, kind="stable")
-    rows = rows[order]
-    pos = table.pos[rows]
-    ends = np.frombuffer(table.cols.name_ends, np.int64)
-    np.save(folder / "keys.npy", keys[order])
-    np.save(folder / "rows.npy", np.stack([table.ids[rows], ends[pos], ends[pos + 1]], axis=1))
-    np.save(folder / "names.npy", np.frombuffer(table.cols.names, np.uint8))
-    if phashes is not None:
-        np.save(folder / "phash.npy", np.ascontiguousarray(phashes[order].T))
-    return LeakCheck(str(folder), str(images_dir))
 
 
 def _near_duplicate(entry: Entry, task: ShardTask, report: Report, train: tuple, hashes: tuple[int, int],

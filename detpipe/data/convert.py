@@ -95,7 +95,7 @@ image whose bytes equal a kept train image's (confirmed byte by byte) is then dr
 hash every kept image perceptually (`detpipe.data.imageio.phash_pair`: ImageHash's 64-bit pHash of the whole
 frame and of its central 90 %, on the 1/8-scale decode the image check makes anyway; 16 bytes per train image in
 this process and in the leak check's memory-mapped arrays), and each val image that is not a byte copy is compared
-with every kept train image (`detpipe.data.cocoarrow.nearest_train`): at most ``convert.leak_distance`` bits away
+with every kept train image (`detpipe.data.leaks.nearest_train`): at most ``convert.leak_distance`` bits away
 it is reported (rule ``val_near_duplicate``, kept), dropped (``drop``) or an error naming both files (``error``);
 report.json's ``leaks`` section counts the val images per nearest distance.
 """
@@ -115,7 +115,8 @@ from detpipe.data.coco_json import gc_paused, read_coco
 from detpipe.data.coco_reader import ImageTable, index
 from detpipe.data.split import split_ids, val_positions
 from detpipe.data.coco_schema import LEAK_ACTIONS, Report
-from detpipe.data.cocoarrow import (PHASH_BITS, SCHEMA, ShardResult, convert_shard, plan_shards, write_leak_check)
+from detpipe.data.cocoarrow import SCHEMA, ShardResult, convert_shard, plan_shards
+from detpipe.data.leaks import PHASH_BITS, write_leak_check
 from detpipe.data.imageio import inspect_image, preload_phash
 from detpipe.data.label_stats import LabelStats, write_label_plots
 from detpipe.data import cvat_reader, labelme_reader, translate, voc_reader, yolo_reader
