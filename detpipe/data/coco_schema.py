@@ -244,19 +244,27 @@ def check_top(data: Any, path: Path) -> None:
 
 
 def check_categories(categories: list, path: Path) -> None:
-    """Each category is an object with an int64 ``id`` (unique) and a string ``name`` (rule ``coco_schema``).
+    """Each category is an object with an int64 ``id`` and a ``name`` string, both unique (rule ``coco_schema``).
+    Unique names are the rule every reader applies (YOLO ``names``, LabelMe ``labels.txt``, CVAT ``<labels>``) and
+    evaluation's (`detpipe.evaluation.coco_metrics`: per-class AP is keyed by name), so a dataset that converts is
+    one that evaluates.
 
     Raises:
         StageError: one line naming the file, the record (``categories[3] (id 7)``), the key and the rule.
     """
-    seen = set()
+    seen, names = set(), {}
     for i, cat in enumerate(categories):
         where = _record(path, "categories", i, cat)
-        if not isinstance(cat.get("name"), str):
-            _fail(path, where, f"key 'name' must be a string (got {json_type(cat.get('name'))})")
+        name = cat.get("name")
+        if not isinstance(name, str):
+            _fail(path, where, f"key 'name' must be a string (got {json_type(name)})")
         if cat["id"] in seen:
             _fail(path, where, "duplicate category id")
+        if name in names:
+            _fail(path, where, f"category name {name!r:.60} is also category id {names[name]}'s: names must be "
+                               f"unique (per-class AP and the model card name classes)")
         seen.add(cat["id"])
+        names[name] = cat["id"]
 
 
 def check_image(im: Any, i: int, path: Path) -> None:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from detpipe.data.coco_schema import (COCO_ARRAYS, array_problem, is_crowd_flag, is_finite_number, is_int,
-                                      segmentation_problem, to_rle)
+                                      segmentation_area, segmentation_problem, to_rle)
 from detpipe.errors import StageError
 
 STAT_NAMES = ("AP", "AP50", "AP75", "APs", "APm", "APl", "AR1", "AR10", "AR100", "ARs", "ARm", "ARl")
@@ -191,11 +191,10 @@ def _prepare_gt(gt: dict, iou_type: str, src: str, mask_utils) -> tuple[dict, di
                                  f"(rule: segm evaluation needs a mask for every ground-truth object)")
             rec["segmentation"] = segm
         area = a.get("area")
-        if area is None:
-            if iou_type == "segm":
-                area = float(mask_utils.area(to_rle(rec["segmentation"], img["height"], img["width"])))
-            else:
-                area = bbox[2] * bbox[3]
+        if area is None:    # the convert stage's rule (`segmentation_area`: COCO's own), else the box's
+            seg_area = segmentation_area(rec["segmentation"], img["height"], img["width"]) if iou_type == "segm" \
+                else None
+            area = seg_area if seg_area is not None else bbox[2] * bbox[3]
         elif not is_finite_number(area) or area < 0:
             raise StageError(f"{src}: {rec_name}: area {area!r} is not a non-negative number")
         rec["area"] = float(area)

@@ -483,6 +483,41 @@ def test_area_missing(tmp_path, coco):
     assert row["segmentation"][1] == ""
 
 
+def test_convert_and_evaluate_share_the_category_rule(tmp_path, coco):
+    """Category names must be unique on both sides (per-class AP and the model card name classes): a COCO file that
+    names two categories alike stops the convert stage with one line naming the file, the record and the rule, and
+    the same dict is refused by `coco_evaluate` (so a dataset that converts is one that evaluates)."""
+    from detpipe.evaluation.coco_metrics import coco_evaluate
+
+    data = subset(coco, BASE_IDS)
+    dup = next(c for c in data["categories"] if c["id"] == 2)
+    dup["name"] = "person"                                  # category 1's name
+    with pytest.raises(StageError, match=rf"{ANN}: categories\[1\] \(id 2\): category name 'person' is also "
+                                         r"category id 1's: names must be unique .*\(rule 'coco_schema'\)$"):
+        run(write_raw(tmp_path, data))
+    with pytest.raises(StageError, match=r"category id 2: name 'person' is used twice"):
+        coco_evaluate(data, [])
+
+
+def test_zero_size_boxes_differ_as_intended(tmp_path, coco):
+    """The one deliberate difference between the two rule sets (docs/evaluate.md): a ground-truth box of zero width
+    is dropped by the convert stage (``bbox_nonpositive``: nothing to learn or match), while `coco_evaluate` takes
+    a zero-width *detection* as pycocotools' ``loadRes`` does (a detector may answer one; it matches nothing)."""
+    from detpipe.evaluation.coco_metrics import coco_evaluate
+
+    real = anns_of(coco, 9)[0]
+    zero = _ann(2, [10.0, 10.0, 0.0, 30.0])
+    res, row = _one_image(tmp_path, coco, [copy.deepcopy(real), zero])
+    assert findings(res) == {"bbox_nonpositive": 1} and row["ann_id"] == [real["id"]]
+    gt = subset(coco, [9])
+    gt["annotations"] = [copy.deepcopy(real)]
+    dets = [{"image_id": 9, "category_id": real["category_id"], "bbox": list(real["bbox"]), "score": 0.9},
+            {"image_id": 9, "category_id": real["category_id"], "bbox": [10.0, 10.0, 0.0, 30.0], "score": 0.95}]
+    assert coco_evaluate(gt, dets[:1]).stats["AP50"] == pytest.approx(1.0)
+    # taken, and a false positive ranked above the true one: precision 1/2 at recall 1
+    assert coco_evaluate(gt, dets).stats["AP50"] == pytest.approx(0.5)
+
+
 def test_duplicate_image_id(tmp_path, coco):
     data = subset(coco, BASE_IDS)
     dup = dict(next(i for i in data["images"] if i["id"] == 25), file_name="000000000030.jpg")
