@@ -50,6 +50,7 @@ log = logging.getLogger("detpipe.serve")
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 MAX_CONNECTIONS = 32
+MAX_WAITING = 256          # connections accepted beyond --max-connections, waiting for a slot; more get 503
 GRACEFUL_TIMEOUT_S = 10
 # predict's defaults (`detpipe.predict.DEFAULT_MODEL`, ``DEFAULT_DATA``, ``SCORE_THRESHOLD``), repeated so that the
 # command line and its option errors do not import torch
@@ -66,7 +67,10 @@ class Limits:
     refused before decoding; also Pillow's ``Image.MAX_IMAGE_PIXELS`` in the server process); ``queue_size``:
     requests admitted and not yet in a batch (more: 503 with Retry-After); ``max_batch``: images per model call;
     ``max_wait_s``: seconds a batch waits to fill after its first image; ``workers``: decoding threads;
-    ``score_threshold``: the default of the ``score_threshold`` query parameter, in [0, 1]."""
+    ``score_threshold``: the default of the ``score_threshold`` query parameter, in [0, 1]; ``header_timeout_s``:
+    seconds a served connection may take to send a request's headers (more: closed); ``body_timeout_s``: seconds
+    from a request's headers to the end of its body (more: 408 and closed); ``keep_alive_s``: seconds an idle
+    kept-alive connection is held (then closed). A timeout of 0 is off (for tests that show what it prevents)."""
 
     max_bytes: int = 16_000_000
     max_pixels: int = 40_000_000
@@ -75,12 +79,18 @@ class Limits:
     max_wait_s: float = 0.005
     workers: int = 2
     score_threshold: float = SCORE_THRESHOLD
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    keep_alive_s: float = 5.0
 
     def check(self) -> None:
         """Raises `StageError` naming the option of a value out of range."""
         for name, value, low in (("--max-bytes", self.max_bytes, 1), ("--max-pixels", self.max_pixels, 1),
                                  ("--queue-size", self.queue_size, 1), ("--max-batch", self.max_batch, 1),
-                                 ("--workers", self.workers, 1), ("--max-wait-ms", self.max_wait_s * 1000, 0)):
+                                 ("--workers", self.workers, 1), ("--max-wait-ms", self.max_wait_s * 1000, 0),
+                                 ("--header-timeout", self.header_timeout_s, 0),
+                                 ("--body-timeout", self.body_timeout_s, 0),
+                                 ("--keep-alive-timeout", self.keep_alive_s, 0)):
             if value < low:
                 raise StageError(f"{name} {value}: must be at least {low}")
         if not 0.0 <= self.score_threshold <= 1.0:
@@ -106,7 +116,8 @@ def listen_socket(host: str, port: int) -> socket.socket:
 
 def serve(model_path: Path | str = DEFAULT_MODEL, data_dir: Path | str = DEFAULT_DATA, host: str = DEFAULT_HOST,
           port: int = DEFAULT_PORT, limits: Limits | None = None, max_connections: int = MAX_CONNECTIONS,
-          graceful_timeout_s: int = GRACEFUL_TIMEOUT_S, access_log: bool = False) -> None:
+          graceful_timeout_s: int = GRACEFUL_TIMEOUT_S, access_log: bool = False, max_waiting: int = MAX_WAITING,
+          admin_remote: bool = False) -> None:
     """Serve ``model_path`` until SIGTERM or SIGINT (see the module docstring). Call it from the main thread: it
     sets the SIGTERM and SIGINT handlers (uvicorn's, while it serves).
 
@@ -115,9 +126,11 @@ def serve(model_path: Path | str = DEFAULT_MODEL, data_dir: Path | str = DEFAULT
         data_dir: the run's data folder (``arrow/meta.json``, ``cache/meta.json``: `detpipe.predict.data_meta`).
         host, port: where to listen (port 0: any free port, logged).
         limits: `Limits` (default: its defaults).
-        max_connections: connections and requests at once (uvicorn's ``limit_concurrency``); more get 503.
+        max_connections: connections served at once; more wait for a slot (`detpipe.serve.connections`).
         graceful_timeout_s: seconds a stop waits for requests in flight.
         access_log: log one line per request.
+        max_waiting: connections waiting for a slot; more get 503 at once.
+        admin_remote: accept ``POST /admin/reload`` from other machines (default: loopback only).
     Raises:
         StageError: bad options, a missing model file or data meta file, an address that cannot be bound, or a
             model that cannot be loaded (after listening: the server stops).
@@ -126,25 +139,31 @@ def serve(model_path: Path | str = DEFAULT_MODEL, data_dir: Path | str = DEFAULT
     limits.check()
     if max_connections < 1:
         raise StageError(f"--max-connections {max_connections}: must be at least 1")
+    if max_waiting < 0:
+        raise StageError(f"--max-waiting {max_waiting}: must be at least 0")
     model_path, data_dir = Path(model_path), Path(data_dir)
     if not model_path.is_file():
         raise StageError(f"{model_path}: model not found (run the pipeline, `dvc repro`, or pass --model "
                          "models/model.onnx or models/model.pt)")
     sock = listen_socket(host, port)   # before the heavy imports: a bad option or address fails in a second
     try:
-        _serve(sock, model_path, data_dir, host, limits, max_connections, graceful_timeout_s, access_log)
+        _serve(sock, model_path, data_dir, host, limits, max_connections, graceful_timeout_s, access_log,
+               max_waiting, admin_remote)
     finally:
         sock.close()
 
 
 def _serve(sock: socket.socket, model_path: Path, data_dir: Path, host: str, limits: Limits, max_connections: int,
-           graceful_timeout_s: int, access_log: bool) -> None:
+           graceful_timeout_s: int, access_log: bool, max_waiting: int = MAX_WAITING,
+           admin_remote: bool = False) -> None:
     """`serve` once its socket is bound."""
     import uvicorn
     from PIL import Image
 
     from detpipe.predict import data_meta, load_predictor
     from detpipe.serve.app import Service, create_app
+    from detpipe.serve.connections import ConnectionGate, gated_protocol
+    from detpipe.serve.metrics import Metrics
 
     data_meta(data_dir)      # the data meta files now, as one-line errors, before the model loads
     # Decode limits, explicitly: Pillow refuses (an error, not its default warning) any image over the limit.
@@ -164,10 +183,18 @@ def _serve(sock: socket.socket, model_path: Path, data_dir: Path, host: str, lim
         if server is not None:
             server.should_exit = True
 
-    service = Service(lambda: load_predictor(model_path, data_dir), limits, str(model_path), fatal)
-    config = uvicorn.Config(create_app(service), host=host, port=bound, loop="asyncio", http="h11", ws="none",
-                            lifespan="on", log_config=None, access_log=access_log, limit_concurrency=max_connections,
-                            timeout_graceful_shutdown=graceful_timeout_s, server_header=False)
+    gate = ConnectionGate(max_connections, max_waiting)
+    service_box: list = []
+    metrics = Metrics(lambda: service_box[0].batcher.pending if service_box else 0,
+                      lambda: (len(gate.active), len(gate.waiting)))
+    service = Service(lambda path: load_predictor(path, data_dir), limits, str(model_path), fatal, metrics,
+                      admin_remote)
+    service_box.append(service)
+    protocol = gated_protocol(gate, limits.header_timeout_s, lambda phase: metrics.slow_clients.labels(phase).inc())
+    config = uvicorn.Config(create_app(service), host=host, port=bound, loop="asyncio", http=protocol, ws="none",
+                            lifespan="on", log_config=None, access_log=access_log, limit_concurrency=None,
+                            timeout_keep_alive=limits.keep_alive_s, timeout_graceful_shutdown=graceful_timeout_s,
+                            server_header=False)
     server = uvicorn.Server(config)
     for s in (signal.SIGTERM, signal.SIGINT):
         signal.signal(s, on_signal)

@@ -242,6 +242,153 @@ def test_full_queue_is_503_at_once_and_admitted_requests_are_batched(server, ima
         assert r.status_code == 200 and r.json() == _above(offline[name])
 
 
+def _scrape(url: str) -> dict[tuple, float]:
+    """``GET /metrics`` parsed by prometheus_client's own parser (an independent reference, not our writer):
+    ``{(sample name, ((label, value), ...) sorted): value}``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = httpx.get(f"{url}/metrics", timeout=30)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain"), r.text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(r.text) for s in family.samples}
+
+
+def _delta(after: dict, before: dict, name: str, **labels) -> float:
+    key = (name, tuple(sorted(labels.items())))
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+def test_metrics_count_a_known_load(server, images, offline):
+    """``GET /metrics`` is Prometheus text (parsed with prometheus_client's parser) and counts a known load exactly:
+    3 images answered 200, one non-image 415, one unknown route 404 (as route ``other``) -> the requests counter by
+    status, the latency histogram's count (and its ``+Inf`` bucket), the batch-size histogram (3 sequential images:
+    3 batches of 1), the queue depth back to 0, and one ``model_info`` sample naming ``/readyz``'s version."""
+    name = OTHER_IMAGES[0]
+    before = _scrape(server.url)
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        for _ in range(3):
+            assert client.post("/predict", content=(images / name).read_bytes()).status_code == 200
+        assert client.post("/predict", content=b"not an image").status_code == 415
+        assert client.get("/nowhere").status_code == 404
+        version = client.get("/readyz").json()["version"]
+    after = _scrape(server.url)
+    print(httpx.get(f"{server.url}/metrics").text)     # the scraped page, for the record (pytest -s)
+    assert _delta(after, before, "detpipe_serve_requests_total", route="/predict", status="200") == 3
+    assert _delta(after, before, "detpipe_serve_requests_total", route="/predict", status="415") == 1
+    assert _delta(after, before, "detpipe_serve_requests_total", route="other", status="404") == 1
+    assert _delta(after, before, "detpipe_serve_request_duration_seconds_count", route="/predict") == 4
+    assert _delta(after, before, "detpipe_serve_request_duration_seconds_bucket", route="/predict", le="+Inf") == 4
+    assert _delta(after, before, "detpipe_serve_request_duration_seconds_sum", route="/predict") > 0
+    assert _delta(after, before, "detpipe_serve_batch_size_count") == 3
+    assert _delta(after, before, "detpipe_serve_batch_size_sum") == 3
+    assert _delta(after, before, "detpipe_serve_batch_size_bucket", le="1.0") == 3
+    assert after[("detpipe_serve_queue_depth", ())] == 0
+    assert after[("detpipe_serve_connections", (("state", "waiting"),))] == 0
+    models = [labels for (n, labels), v in after.items() if n == "detpipe_serve_model_info" and v == 1]
+    assert len(models) == 1 and dict(models[0])["version"] == version, models
+
+
+def _slow_client_run(url: str, body: bytes, stalled_n: int, normal_n: int, wait_s: float
+                     ) -> tuple[list, list, list[float]]:
+    """``stalled_n`` connections that send a POST /predict's headers and half its body, then stall; then
+    ``normal_n`` concurrent normal requests (each on its own connection) with a ``wait_s`` client timeout; then
+    how each stalled socket ended. Returns ``(normal statuses or exception names, normal seconds, seconds until
+    each stalled socket was closed by the server (None: still open 2 body timeouts + 4 s after the start, or after
+    the normal requests if later))``."""
+    import socket
+    import time
+
+    head = (f"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\nContent-Length: {len(body)}\r\n"
+            "\r\n").encode()
+    t0 = time.monotonic()
+    stalled = []
+    for _ in range(stalled_n):
+        sock = socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=5)
+        sock.sendall(head + body[:len(body) // 2])
+        stalled.append(sock)
+    time.sleep(0.2)
+
+    async def normal() -> tuple[list, list]:
+        limits = httpx.Limits(max_connections=normal_n, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=url, timeout=wait_s, limits=limits) as client:
+            async def one():
+                start = time.monotonic()
+                try:
+                    r = await client.post("/predict", content=body)
+                    return r.status_code, time.monotonic() - start
+                except httpx.TransportError as e:
+                    return type(e).__name__, time.monotonic() - start
+            got = await asyncio.gather(*(one() for _ in range(normal_n)))
+        return [g[0] for g in got], [g[1] for g in got]
+    statuses, seconds = asyncio.run(normal())
+    closed: list = []
+    deadline = t0 + 2 * BODY_TIMEOUT_S + 4   # the 32 served stalled clients' body timeout, then the 8 waiting ones'
+    for sock in stalled:       # the server closes each (after its 408, with the body timeout on)
+        sock.settimeout(max(0.01, deadline - time.monotonic()))
+        try:
+            while sock.recv(65536):
+                pass
+            closed.append(time.monotonic() - t0)
+        except (TimeoutError, socket.timeout):
+            closed.append(None)
+        except ConnectionResetError:
+            closed.append(time.monotonic() - t0)
+        finally:
+            sock.close()
+    return statuses, seconds, closed
+
+
+BODY_TIMEOUT_S = 2
+NORMAL_WAIT_S = BODY_TIMEOUT_S + 8   # a normal request's allowance: the body timeout + its own latency (generous)
+
+
+@pytest.mark.parametrize("timeouts", [True, False], ids=["timeouts_on", "timeouts_off_must_starve"])
+def test_slow_clients_cannot_starve_normal_requests(fitted_workdir, images, offline, timeouts):
+    """40 connections send a request's headers and half its body, then stall (more than ``--max-connections``
+    32); then 10 normal requests. With ``--body-timeout 2 --header-timeout 2`` (timeouts_on) all 10 are answered
+    200 with predict's results within the body timeout plus their own latency (`NORMAL_WAIT_S`: the stalled
+    clients hold the 32 slots until the body timeout closes them, the normal ones wait for a slot instead of
+    being refused), every stalled socket is closed by the server (a 408, then end of file), the log has one line
+    per stalled client, ``detpipe_serve_slow_clients_total{phase="body"}`` counts 40, and a client stalling in
+    its headers is closed by the header timeout. The must-fail variant (timeouts_off: both 0, no limit) shows what
+    the timeouts prevent: not one normal request is answered within the same allowance, the stalled sockets stay
+    open."""
+    name = OTHER_IMAGES[0]
+    body = (images / name).read_bytes()
+    off = () if timeouts else ("--body-timeout", "0", "--header-timeout", "0")
+    on = ("--body-timeout", str(BODY_TIMEOUT_S), "--header-timeout", str(BODY_TIMEOUT_S)) if timeouts else ()
+    log = images.parent / f"serve-slow-{timeouts}.log"
+    with running_server(fitted_workdir / "models/model.pt", fitted_workdir / "data", log, *on, *off) as srv:
+        statuses, seconds, closed = _slow_client_run(srv.url, body, 40, 10, NORMAL_WAIT_S)
+        print(f"timeouts {'on' if timeouts else 'off'}: normal requests {statuses} in {[round(s, 1) for s in seconds]}"
+              f" s; stalled sockets closed at {[None if c is None else round(c, 1) for c in closed]} s")
+        if not timeouts:
+            assert all(not isinstance(s, int) for s in statuses), statuses   # starved: no answer in NORMAL_WAIT_S
+            assert all(c is None for c in closed), closed
+            return
+        assert statuses == [200] * 10, statuses
+        assert max(seconds) <= NORMAL_WAIT_S, seconds
+        assert all(c is not None for c in closed), closed
+        r = httpx.post(f"{srv.url}/predict", content=body, timeout=60, params={"file_name": name,
+                                                                               "image_id": _ids(offline)[name]})
+        assert r.status_code == 200 and r.json() == _above(offline[name])
+        # a client stalling in its headers: closed by the header timeout
+        import socket
+        import time
+        sock = socket.create_connection(("127.0.0.1", int(srv.url.rsplit(":", 1)[1])), timeout=30)
+        sock.sendall(b"POST /predict HTTP/1.1\r\nHost: x\r\n")
+        t0 = time.monotonic()
+        assert sock.recv(1024) == b"" and time.monotonic() - t0 < BODY_TIMEOUT_S + 10
+        sock.close()
+        metrics = _scrape(srv.url)
+        assert metrics[("detpipe_serve_slow_clients_total", (("phase", "body"),))] == 40
+        assert metrics[("detpipe_serve_slow_clients_total", (("phase", "headers"),))] == 1
+        text = srv.log_text()
+        assert text.count("request body not complete within --body-timeout 2 s") == 40, text[-3000:]
+        assert text.count("request headers not complete within --header-timeout 2 s") == 1, text[-3000:]
+        assert "Traceback" not in text, text[-3000:]
+
+
 def test_startup_errors_are_one_line(server, fitted_workdir, tmp_path):
     """A missing model file, and a port already in use (the module's server's), are one line ``error: ...`` with
     exit status 2, no traceback (found before torch is imported). The command's defaults are predict's."""
