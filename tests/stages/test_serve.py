@@ -405,6 +405,78 @@ def test_startup_errors_are_one_line(server, fitted_workdir, tmp_path):
         assert proc.stderr.strip().splitlines()[-1].startswith(expect), proc.stderr[-3000:]
 
 
+def test_reload_under_load_answers_every_request(server, fitted_workdir, images, offline, tmp_path):
+    """A new model without downtime: while 2 clients send images back to back (the module server's queue of 2:
+    never full), ``POST /admin/reload {"model": <a new model file>}`` loads and warms the new file, then swaps;
+    then SIGHUP reloads it again. Every answer is counted: all are 200 with predict's results, each names the
+    version it ran on (``X-Model-Version``), the old version before the swap, the new one after; ``/readyz`` and
+    ``model_info`` name the new version. A model file that cannot be loaded and a bad body are refused with one line
+    and the old model goes on serving. (The new file is the fitted model.pt saved again with another ``iters``: the
+    same weights, another sha256, so the answers stay comparable.)"""
+    import threading
+    import time
+
+    import torch
+
+    ckpt = torch.load(fitted_workdir / "models/model.pt", map_location="cpu", weights_only=True)
+    ckpt["iters"] = int(ckpt["iters"]) + 1
+    new_model = tmp_path / "model-next.pt"
+    torch.save(ckpt, new_model)
+    name = OTHER_IMAGES[1]
+    body, expected = (images / name).read_bytes(), _above(offline[name])
+    params = {"image_id": _ids(offline)[name], "file_name": name}
+    with httpx.Client(base_url=server.url, timeout=120) as admin:
+        old = admin.get("/readyz").json()["version"]
+        bad = admin.post("/admin/reload", json={"model": str(tmp_path / "nothing.onnx")})
+        assert bad.status_code == 422 and f"still serving version {old}" in bad.json()["error"], bad.text
+        assert admin.post("/admin/reload", content=b"{not json").status_code == 400
+        assert admin.get("/readyz").json()["version"] == old
+
+        answers: list[tuple[float, float, int, str, bool]] = []   # (start, end, status, version, results as predict)
+        stop = threading.Event()
+
+        def client():
+            with httpx.Client(base_url=server.url, timeout=120) as c:
+                for _ in range(400):                     # bounded in count, and by `stop` (set within ~30 s)
+                    if stop.is_set():
+                        return
+                    t0 = time.monotonic()
+                    r = c.post("/predict", content=body, params=params)
+                    ok = r.status_code == 200 and results_differ(r.json(), expected) is None
+                    answers.append((t0, time.monotonic(), r.status_code, r.headers.get("x-model-version", ""), ok))
+
+        threads = [threading.Thread(target=client) for _ in range(2)]
+        for t in threads:
+            t.start()
+        try:
+            time.sleep(1.0)
+            reload = admin.post("/admin/reload", json={"model": str(new_model)})
+            swapped = time.monotonic()
+            assert reload.status_code == 200, reload.text
+            new = reload.json()["version"]
+            assert reload.json()["previous_version"] == old and new != old
+            server.proc.send_signal(signal.SIGHUP)       # reload the served file again
+            deadline = time.monotonic() + 30
+            while server.log_text().count("serve: reloaded in") < 2 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            time.sleep(1.0)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(timeout=120)
+        status = admin.get("/readyz").json()
+    statuses = [a[2] for a in answers]
+    print(f"reload under load: {len(answers)} answers, statuses {sorted(set(statuses))}, "
+          f"{sum(a[3] == old for a in answers)} on {old}, {sum(a[3] == new for a in answers)} on {new}")
+    assert statuses == [200] * len(answers) and all(a[4] for a in answers), answers
+    assert {a[3] for a in answers} == {old, new}
+    assert all(a[3] == new for a in answers if a[0] > swapped), "a request started after the swap ran on the old model"
+    assert server.log_text().count("serve: reloaded in") == 2, server.log_text()[-3000:]
+    assert status["version"] == new and status["model"] == str(new_model), status
+    models = [dict(labels) for (n, labels), v in _scrape(server.url).items() if n == "detpipe_serve_model_info"]
+    assert [m["version"] for m in models] == [new], models
+
+
 def test_sigterm_stops_the_server_cleanly(server):
     """The server started no process; SIGTERM stops it: exit status 0, its log says so, no traceback anywhere in
     the log of the whole module's requests, and the port no longer answers. (Stops the module's server: last.)"""
