@@ -8,11 +8,16 @@ Endpoints (every answer is JSON; docs/serve.md has examples):
   preprocessing, ``bbox`` ``[x, y, w, h]`` float in original-image pixels, the dataset's ``category_id`` and
   ``category_name``, ``score`` in [0, 1], highest first), a JSON list. Query parameters: ``image_id`` (int, default 1,
   as predict numbers a one-image source), ``file_name`` (default: the multipart part's file name, else ``image``),
-  ``score_threshold`` (in [0, 1], default ``--score-threshold``). Header ``X-Batch-Size``: the micro-batch the image
-  ran in.
+  ``score_threshold`` (in [0, 1], default ``--score-threshold``). Headers ``X-Batch-Size``: the micro-batch the
+  image ran in; ``X-Model-Version``: the version of the model it ran on.
 * ``GET /healthz``: 200 while the process serves (liveness).
 * ``GET /readyz``: 200 once the model is loaded and has run once (warm-up), 503 before; the body gives the model,
-  the runtime and the queue's counters.
+  its version (the first 12 hex digits of its file's sha256), the runtime and the queue's counters.
+* ``GET /metrics``: Prometheus text exposition (`detpipe.serve.metrics`): requests by route and status, latency and
+  batch-size histograms, queue depth, connections, slow clients closed, reloads, the model's version.
+* ``POST /admin/reload`` (from loopback addresses only unless ``--admin-remote``), or SIGHUP: load a new model file
+  (JSON body ``{"model": "<path or exp:name>"}``; empty: the served file again), warm it up while the old one
+  serves, then swap; requests in flight finish on the old model (`detpipe.serve.app.Service.reload`).
 
 Limits (each refusal is ``{"error": "<one line>"}``, never a traceback): a body over ``--max-bytes`` is 413 (a
 ``Content-Length`` over it is refused unread); an image whose header declares more than ``--max-pixels`` pixels is
@@ -20,8 +25,12 @@ Limits (each refusal is ``{"error": "<one line>"}``, never a traceback): a body 
 a body that is no image of `detpipe.serve.app.ACCEPTED_FORMATS` is 415, a corrupt one 400; an unknown route 404, a
 wrong method 405. Requests are admitted into a bounded queue (``--queue-size``) and run by one model worker in
 micro-batches (``--max-batch`` images, waiting at most ``--max-wait-ms`` for a batch to fill:
-`detpipe.serve.batcher.Batcher`); a request that finds the queue full is answered 503 with ``Retry-After`` at
-once. Connections beyond ``--max-connections`` get uvicorn's own 503.
+`detpipe.serve.batcher.Batcher`); a request is admitted only once its body is read and decoded, and one that finds
+the queue full is answered 503 with ``Retry-After`` at once. Slow and idle clients: a connection must send its
+request headers within ``--header-timeout`` seconds and its body within ``--body-timeout`` seconds of them (else
+it is closed, with a logged line; the body timeout answers 408 first), an idle kept-alive connection is closed
+after ``--keep-alive-timeout``; at most ``--max-connections`` are served at once, up to ``--max-waiting`` more wait
+for a slot (accepted, not read), beyond that a connection gets 503 at once (`detpipe.serve.connections`).
 
 Built on uvicorn (the ASGI server) and Starlette (the application), which the pipeline already ships as Prefect's
 server. Binds 127.0.0.1 unless ``--host`` says otherwise (there is no authentication); SIGTERM or SIGINT stops it
@@ -30,7 +39,9 @@ status 0; it starts no process. A missing model or data meta file, a port in use
 is a one-line error (exit status 2).
 
 The package: `serve` here (the server's run; `Limits`, its options), `detpipe.serve.app` (routes, limits,
-loading), `detpipe.serve.batcher` (the bounded queue and its model worker), ``__main__`` (the command line).
+loading, reloading), `detpipe.serve.batcher` (the bounded queue and its model worker), `detpipe.serve.connections`
+(the connection slots and the header timeout), `detpipe.serve.metrics` (``/metrics``), ``__main__`` (the command
+line).
 """
 from __future__ import annotations
 
@@ -119,7 +130,7 @@ def serve(model_path: Path | str = DEFAULT_MODEL, data_dir: Path | str = DEFAULT
           graceful_timeout_s: int = GRACEFUL_TIMEOUT_S, access_log: bool = False, max_waiting: int = MAX_WAITING,
           admin_remote: bool = False) -> None:
     """Serve ``model_path`` until SIGTERM or SIGINT (see the module docstring). Call it from the main thread: it
-    sets the SIGTERM and SIGINT handlers (uvicorn's, while it serves).
+    sets the SIGTERM and SIGINT handlers (uvicorn's, while it serves) and SIGHUP's (reload the model).
 
     Args:
         model_path: ``.onnx`` or ``.pt`` (`detpipe.predict.load_runner`).

@@ -9,8 +9,8 @@ from detpipe.serve import (DEFAULT_DATA, DEFAULT_HOST, DEFAULT_MODEL, DEFAULT_PO
                            MAX_WAITING, Limits, serve)
 
 
-def main(argv: list[str] | None = None) -> None:
-    """``python -m detpipe.serve``: parse the command line (``--help``) and run `detpipe.serve.serve`."""
+def parser() -> argparse.ArgumentParser:
+    """The command line's parser (``--help``)."""
     d = Limits()
     p = argparse.ArgumentParser(
         prog="python -m detpipe.serve",
@@ -58,7 +58,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--graceful-timeout", type=int, default=GRACEFUL_TIMEOUT_S,
                    help=f"seconds a SIGTERM/SIGINT waits for requests in flight (default {GRACEFUL_TIMEOUT_S})")
     p.add_argument("--access-log", action="store_true", help="log one line per request")
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m detpipe.serve``: parse the command line (``--help``) and run `detpipe.serve.serve`."""
+    a = parser().parse_args(argv)
     limits = Limits(max_bytes=a.max_bytes, max_pixels=a.max_pixels, queue_size=a.queue_size, max_batch=a.max_batch,
                     max_wait_s=a.max_wait_ms / 1000, workers=a.workers, score_threshold=a.score_threshold,
                     header_timeout_s=a.header_timeout, body_timeout_s=a.body_timeout, keep_alive_s=a.keep_alive_timeout)
