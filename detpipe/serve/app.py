@@ -218,7 +218,7 @@ def fetch_experiment_model(name: str, dest_dir: Path, repo: str | None = None) -
         StageError: no name, an unknown revision, or a revision without the file (one line).
     """
     import dvc.api
-    from dvc.exceptions import DvcException
+    from dvc.exceptions import DvcException, PathMissingError
     from scmrepo.exceptions import SCMError
 
     if not name:
@@ -226,9 +226,9 @@ def fetch_experiment_model(name: str, dest_dir: Path, repo: str | None = None) -
     try:
         with dvc.api.open(EXP_MODEL, repo=repo, rev=name, mode="rb") as f:
             data = f.read()
-    except FileNotFoundError:
-        raise StageError(f"exp:{name}: the revision has no {EXP_MODEL} (neither in the DVC cache nor on the "
-                         "remote)") from None
+    except (FileNotFoundError, PathMissingError):
+        raise StageError(f"exp:{name}: the revision has no {EXP_MODEL} (neither tracked by DVC nor by git, or not in "
+                         "the DVC cache nor on the remote)") from None
     except (DvcException, SCMError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise StageError(f"exp:{name}: cannot read {EXP_MODEL}: {first}") from None
