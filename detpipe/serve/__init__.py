@@ -209,6 +209,9 @@ def _serve(sock: socket.socket, model_path: Path, data_dir: Path, host: str, lim
     server = uvicorn.Server(config)
     for s in (signal.SIGTERM, signal.SIGINT):
         signal.signal(s, on_signal)
+    # SIGHUP reloads the model while the application runs (its lifespan sets the handler); before and after, it is
+    # logged and ignored instead of its default action (ending the process).
+    signal.signal(signal.SIGHUP, lambda signum, frame: log.warning("serve: SIGHUP while not serving: ignored"))
     if host not in ("127.0.0.1", "::1", "localhost"):
         log.warning("serve: listening on %s: reachable from other machines, with no authentication", host)
     log.info("serve: listening on http://%s:%d (pid %d); loading %s", host if ":" not in host else f"[{host}]", bound,

@@ -500,7 +500,8 @@ def create_app(service: Service):
         try:
             yield
         finally:
-            loop.remove_signal_handler(signal.SIGHUP)
+            loop.remove_signal_handler(signal.SIGHUP)   # (which restores SIGHUP's default action: ending the process)
+            signal.signal(signal.SIGHUP, lambda signum, frame: log.warning("serve: SIGHUP while stopping: ignored"))
             loading.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await loading

@@ -349,14 +349,16 @@ def test_slow_clients_cannot_starve_normal_requests(fitted_workdir, images, offl
     200 with predict's results within the body timeout plus their own latency (`NORMAL_WAIT_S`: the stalled
     clients hold the 32 slots until the body timeout closes them, the normal ones wait for a slot instead of
     being refused), every stalled socket is closed by the server (a 408, then end of file), the log has one line
-    per stalled client, ``detpipe_serve_slow_clients_total{phase="body"}`` counts 40, and a client stalling in
-    its headers is closed by the header timeout. The must-fail variant (timeouts_off: both 0, no limit) shows what
+    per stalled client, ``detpipe_serve_slow_clients_total{phase="body"}`` counts 40; a client stalling in its
+    headers and one sending nothing are closed by the header timeout, a kept-alive connection idle after its answer
+    by ``--keep-alive-timeout 1``. The must-fail variant (timeouts_off: both 0, no limit) shows what
     the timeouts prevent: not one normal request is answered within the same allowance, the stalled sockets stay
     open."""
     name = OTHER_IMAGES[0]
     body = (images / name).read_bytes()
     off = () if timeouts else ("--body-timeout", "0", "--header-timeout", "0")
-    on = ("--body-timeout", str(BODY_TIMEOUT_S), "--header-timeout", str(BODY_TIMEOUT_S)) if timeouts else ()
+    on = ("--body-timeout", str(BODY_TIMEOUT_S), "--header-timeout", str(BODY_TIMEOUT_S),
+          "--keep-alive-timeout", "1") if timeouts else ()
     log = images.parent / f"serve-slow-{timeouts}.log"
     with running_server(fitted_workdir / "models/model.pt", fitted_workdir / "data", log, *on, *off) as srv:
         statuses, seconds, closed = _slow_client_run(srv.url, body, 40, 10, NORMAL_WAIT_S)
@@ -372,20 +374,31 @@ def test_slow_clients_cannot_starve_normal_requests(fitted_workdir, images, offl
         r = httpx.post(f"{srv.url}/predict", content=body, timeout=60, params={"file_name": name,
                                                                                "image_id": _ids(offline)[name]})
         assert r.status_code == 200 and r.json() == _above(offline[name])
-        # a client stalling in its headers: closed by the header timeout
+        # a client stalling in its headers, one sending nothing: closed by the header timeout; a kept-alive
+        # connection idle after its answer: closed by the keep-alive timeout (1 s)
         import socket
         import time
-        sock = socket.create_connection(("127.0.0.1", int(srv.url.rsplit(":", 1)[1])), timeout=30)
-        sock.sendall(b"POST /predict HTTP/1.1\r\nHost: x\r\n")
+        port = int(srv.url.rsplit(":", 1)[1])
+        partial, idle, kept = (socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(3))
         t0 = time.monotonic()
-        assert sock.recv(1024) == b"" and time.monotonic() - t0 < BODY_TIMEOUT_S + 10
-        sock.close()
+        partial.sendall(b"POST /predict HTTP/1.1\r\nHost: x\r\n")
+        kept.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        answer = b""
+        while b'{"alive":true}' not in answer:
+            answer += kept.recv(1024)
+        assert answer.startswith(b"HTTP/1.1 200"), answer
+        assert kept.recv(1024) == b"" and time.monotonic() - t0 < 1 + 10
+        for sock in (partial, idle):
+            assert sock.recv(1024) == b""
+        assert BODY_TIMEOUT_S - 0.5 < time.monotonic() - t0 < BODY_TIMEOUT_S + 10
+        for sock in (partial, idle, kept):
+            sock.close()
         metrics = _scrape(srv.url)
         assert metrics[("detpipe_serve_slow_clients_total", (("phase", "body"),))] == 40
-        assert metrics[("detpipe_serve_slow_clients_total", (("phase", "headers"),))] == 1
+        assert metrics[("detpipe_serve_slow_clients_total", (("phase", "headers"),))] == 2
         text = srv.log_text()
         assert text.count("request body not complete within --body-timeout 2 s") == 40, text[-3000:]
-        assert text.count("request headers not complete within --header-timeout 2 s") == 1, text[-3000:]
+        assert text.count("request headers not complete within --header-timeout 2 s") == 2, text[-3000:]
         assert "Traceback" not in text, text[-3000:]
 
 
