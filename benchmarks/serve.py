@@ -1,27 +1,28 @@
-"""Benchmark: `python -m detpipe.serve` under load against `detpipe.predict` offline, same model, same images, same
-run.
+"""Benchmark: `python -m detpipe.serve` under load, micro-batching against one image per model call, same model,
+same images, same run, every answer checked against `detpipe.predict` offline.
 
 First predict runs offline over the folder (default ``data/coco128/train2017``, 128 images; ``--batch-size`` 8,
-no drawn images, the default score threshold) after a warm-up on 8 images, ``--repeats`` times: its images/s
-(reading, decoding, inference and writing the JSON: the whole command; the fastest run counts) and its
-predictions, the reference. Then the real server starts (a subprocess on a free loopback port, ``--max-batch``, a
-queue of at least ``--clients``; ready when ``/readyz`` says so) and ``--clients`` concurrent clients (asyncio +
-httpx, one connection each) POST ``--requests`` images in turn over the folder's files (the raw bytes, with
-predict's image id and file name), after one warm-up request per client, ``--repeats`` rounds (the fastest
-counts). Every answer is checked: status 200, JSON, and equal to predict's predictions for that image (same
-detections, order, ids and categories; boxes within 1e-3 px and scores within 1e-5: a batch of several images
-rounds a few floats differently). Any other answer, or a request that fails, is counted and the benchmark fails.
-The server is stopped with SIGTERM and must exit with status 0.
+no drawn images, the default score threshold) after a warm-up on 8 images, ``--repeats`` times: its predictions
+are the reference (its images/s is printed too). Then the real server starts twice, one after the other (a
+subprocess on a free loopback port, a queue of at least ``--clients``; ready when ``/readyz`` says so): first with
+``--max-batch 1`` (the baseline: every image its own model call), then with ``--max-batch <--batch-size>``. For
+each, ``--clients`` concurrent clients (asyncio + httpx, one connection each) POST ``--requests`` images in turn
+over the folder's files (the raw bytes, with predict's image id and file name), after one warm-up request per
+client, ``--repeats`` rounds (the fastest counts). Every answer is checked: status 200, JSON, and equal to
+predict's predictions for that image (same detections, order, ids and categories; boxes within 1e-3 px and scores
+within 1e-5: a batch of several images rounds a few floats differently). Any other answer, or a request that
+fails, is counted and the benchmark fails. Each server is stopped with SIGTERM and must exit with status 0.
 
     python -m benchmarks.serve [--workdir .] [--model models/model.onnx] [--clients 8] [--requests 256] [--repeats 2]
 
 ``--workdir`` holds ``models/`` and ``data/`` (``arrow/meta.json``, ``cache/meta.json``) of a pipeline run; e.g. a
 copy of the ``fitted_workdir`` test fixture's folder (tests/conftest.py) and ``--model models/model.pt``.
 
-Prints the latency percentiles (p50, p99, max; client-side, request sent to answer parsed), served images/s, the
-batch sizes the server formed, the offline images/s, the load average, and as the last line
-``ratio: <served images/s / offline images/s>``. The clients share the machine's cores with the server (on this
-2-core machine they take a visible part of it).
+Prints, for each server, served images/s, the latency percentiles (p50, p99, max; client-side, request sent to
+answer parsed) and the batch sizes the server formed; the offline images/s; the load average; and as the last
+line ``ratio: <served images/s at --max-batch <--batch-size> / served images/s at --max-batch 1>`` at
+``--clients`` clients. The clients share the machine's cores with the server (on this 2-core machine they take a
+visible part of it).
 """
 from __future__ import annotations
 
@@ -90,6 +91,32 @@ async def load(url: str, bodies: list[tuple[str, int, bytes]], clients: int, req
     return wall, latencies, batches, problems
 
 
+def serve_rounds(model: Path, data: Path, log: Path, max_batch: int, args, bodies: list, reference: dict
+                 ) -> tuple[dict, int, str]:
+    """Start the server with ``--max-batch max_batch``, run ``args.repeats`` rounds of `load`, stop it (SIGTERM).
+    Returns ``({"ips", "wall", "latencies", "batches"} of the fastest round, "problems" of all, "load": load
+    average before and after), exit status, log text)``."""
+    options = ("--max-batch", str(max_batch), "--max-wait-ms", str(args.max_wait_ms),
+               "--queue-size", str(max(16, args.clients)), "--max-connections", str(max(32, 2 * args.clients)))
+    with running_server(model, data, log, *options) as server:
+        load_before = os.getloadavg()[0]
+        rounds, problems = [], []
+        for _ in range(args.repeats):
+            wall, latencies, batches, found = asyncio.run(load(server.url, bodies, args.clients, args.requests,
+                                                               reference))
+            problems += found
+            rounds.append((wall, latencies, batches))
+            print(f"served --max-batch {max_batch} round: {len(latencies)} answers in {wall:.2f} s "
+                  f"({len(latencies) / wall:.2f} images/s)", flush=True)
+        wall, latencies, batches = min(rounds, key=lambda r: r[0])
+        load_after = os.getloadavg()[0]
+        server.proc.send_signal(signal.SIGTERM)
+        code = server.proc.wait(timeout=120)
+        text = server.log_text()
+    return ({"ips": len(latencies) / wall, "wall": wall, "latencies": latencies, "batches": batches,
+             "problems": problems, "load": (load_before, load_after)}, code, text)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workdir", type=Path, default=ROOT, help="folder with models/ and data/ of a pipeline run")
@@ -125,41 +152,29 @@ def main() -> None:
         bodies = [(im["file_name"], im["id"], (Path(args.source) / im["file_name"]).read_bytes())
                   for im in report["images"]]
 
-        options = ("--max-batch", str(args.batch_size), "--max-wait-ms", str(args.max_wait_ms),
-                   "--queue-size", str(max(16, args.clients)), "--max-connections", str(max(32, 2 * args.clients)))
-        with running_server(model, data, tmp / "serve.log", *options) as server:
-            load_before = os.getloadavg()[0]
-            rounds, problems = [], []
-            for _ in range(args.repeats):
-                wall, latencies, batches, found = asyncio.run(
-                    load(server.url, bodies, args.clients, args.requests, reference))
-                problems += found
-                rounds.append((wall, latencies, batches))
-                print(f"served round: {len(latencies)} answers in {wall:.2f} s ({len(latencies) / wall:.2f} images/s)",
-                      flush=True)
-            wall, latencies, batches = min(rounds, key=lambda r: r[0])
-            load_after = os.getloadavg()[0]
-            server.proc.send_signal(signal.SIGTERM)
-            code = server.proc.wait(timeout=120)
-            log = server.log_text()
-    if code != 0 or "Traceback" in log:
-        problems.append(f"server exit status {code} after SIGTERM; log tail:\n{log[-2000:]}")
-    served_ips = len(latencies) / wall
-    ms = [s * 1000 for s in latencies]
-    print(f"served (fastest round): {len(latencies)} answers in {wall:.2f} s ({served_ips:.2f} images/s); latency p50 "
-          f"{percentile(ms, 50):.0f} ms, p99 {percentile(ms, 99):.0f} ms, max {max(ms):.0f} ms, mean "
-          f"{statistics.fmean(ms):.0f} ms")
-    print(f"batch sizes (answers per size): {dict(sorted(batches.items()))}; offline predict (fastest): "
-          f"{offline_ips:.2f} images/s")
-    print(f"checked: {args.repeats * args.requests} requests, {len(problems)} problems (not 200, not JSON, or not "
-          "predict's answer)")
+        served, problems = {}, []
+        for max_batch in (1, args.batch_size):
+            served[max_batch], code, log = serve_rounds(model, data, tmp / f"serve-{max_batch}.log", max_batch, args,
+                                                        bodies, reference)
+            if code != 0 or "Traceback" in log:
+                problems.append(f"server (--max-batch {max_batch}) exit status {code} after SIGTERM; log tail:\n"
+                                f"{log[-2000:]}")
+            problems += served[max_batch]["problems"]
+    for max_batch, r in served.items():
+        ms = [s * 1000 for s in r["latencies"]]
+        print(f"served --max-batch {max_batch} (fastest round): {len(ms)} answers in {r['wall']:.2f} s "
+              f"({r['ips']:.2f} images/s); latency p50 {percentile(ms, 50):.0f} ms, p99 {percentile(ms, 99):.0f} ms, "
+              f"max {max(ms):.0f} ms, mean {statistics.fmean(ms):.0f} ms; batch sizes (answers per size): "
+              f"{dict(sorted(r['batches'].items()))}; load average {r['load'][0]:.2f} before, {r['load'][1]:.2f} after")
+    print(f"offline predict (fastest, --batch-size {args.batch_size}): {offline_ips:.2f} images/s")
+    checked = 2 * args.repeats * args.requests
+    print(f"checked: {checked} requests, {len(problems)} problems (not 200, not JSON, or not predict's answer)")
     for p in problems[:20]:
         print(f"  {p}")
-    print(f"load average: {load_before:.2f} before the load, {load_after:.2f} after")
     if problems:
-        sys.exit(f"error: {len(problems)} of {args.repeats * args.requests} requests were not answered as predict "
-                 "answers")
-    print(f"ratio: {served_ips / offline_ips:.2f}")
+        sys.exit(f"error: {len(problems)} of {checked} requests were not answered as predict answers")
+    print(f"served --max-batch {args.batch_size} / served --max-batch 1 at {args.clients} clients, images/s:")
+    print(f"ratio: {served[args.batch_size]['ips'] / served[1]['ips']:.2f}")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,8 @@ def load_runner(model_path: Path | str) -> tuple[Runner, str, int | None]:
     the file).
 
     The runner takes ``float32 (3, h, w)`` images in [0, 1] and returns per image ``{"boxes": float32 (N, 4)
-    XYXY prepared-image pixels, "scores": float32 (N,), "labels": int64 (N,)}``.
+    XYXY prepared-image pixels, "scores": float32 (N,), "labels": int64 (N,)}``. A runner that runs the images of
+    a batch one after the other (ONNX, OpenVINO: their graphs take one image) has the attribute ``per_image = True``.
 
     Args:
         model_path: ``*.onnx`` (the export stage's ``models/model.onnx`` or its int8 ``models/int8/model.int8.onnx``:
@@ -53,6 +54,7 @@ def load_runner(model_path: Path | str) -> tuple[Runner, str, int | None]:
             outs = [session.run(names, {"image": im.numpy()}) for im in images]
             return [{"boxes": torch.from_numpy(b), "scores": torch.from_numpy(s), "labels": torch.from_numpy(lab)}
                     for b, s, lab in outs]
+        run_onnx.per_image = True   # its graph takes one image: `detpipe.serve.batcher.Batcher` answers each at once
         kind = "int8 QDQ" if path.name.endswith(".int8.onnx") else "float32"
         return run_onnx, f"onnxruntime {ort.__version__} {kind} ({path})", None
     if path.suffix == ".xml":
@@ -75,6 +77,7 @@ def load_runner(model_path: Path | str) -> tuple[Runner, str, int | None]:
             outs = [run_one(im) for im in images]
             return [{"boxes": torch.from_numpy(b), "scores": torch.from_numpy(s), "labels": torch.from_numpy(lab).long()}
                     for b, s, lab in outs]
+        run_openvino.per_image = True
         return run_openvino, f"openvino {ov.__version__} CPU float32 ({path})", None
     if path.suffix == ".pt":
         from detpipe.models import load_model

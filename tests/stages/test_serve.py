@@ -242,6 +242,166 @@ def test_full_queue_is_503_at_once_and_admitted_requests_are_batched(server, ima
         assert r.status_code == 200 and r.json() == _above(offline[name])
 
 
+def _scrape(url: str) -> dict[tuple, float]:
+    """``GET /metrics`` parsed by prometheus_client's own parser (an independent reference, not our writer):
+    ``{(sample name, ((label, value), ...) sorted): value}``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = httpx.get(f"{url}/metrics", timeout=30)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain"), r.text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(r.text) for s in family.samples}
+
+
+def _delta(after: dict, before: dict, name: str, **labels) -> float:
+    key = (name, tuple(sorted(labels.items())))
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+def test_metrics_count_a_known_load(server, images, offline):
+    """``GET /metrics`` is Prometheus text (parsed with prometheus_client's parser) and counts a known load exactly:
+    3 images answered 200, one non-image 415, one unknown route 404 (as route ``other``) -> the requests counter by
+    status, the latency histogram's count (and its ``+Inf`` bucket), the batch-size histogram (3 sequential images:
+    3 batches of 1), the queue depth back to 0, and one ``model_info`` sample naming ``/readyz``'s version."""
+    name = OTHER_IMAGES[0]
+    before = _scrape(server.url)
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        for _ in range(3):
+            assert client.post("/predict", content=(images / name).read_bytes()).status_code == 200
+        assert client.post("/predict", content=b"not an image").status_code == 415
+        assert client.get("/nowhere").status_code == 404
+        version = client.get("/readyz").json()["version"]
+    after = _scrape(server.url)
+    print(httpx.get(f"{server.url}/metrics").text)     # the scraped page, for the record (pytest -s)
+    assert _delta(after, before, "detpipe_serve_requests_total", route="/predict", status="200") == 3
+    assert _delta(after, before, "detpipe_serve_requests_total", route="/predict", status="415") == 1
+    assert _delta(after, before, "detpipe_serve_requests_total", route="other", status="404") == 1
+    assert _delta(after, before, "detpipe_serve_request_duration_seconds_count", route="/predict") == 4
+    assert _delta(after, before, "detpipe_serve_request_duration_seconds_bucket", route="/predict", le="+Inf") == 4
+    assert _delta(after, before, "detpipe_serve_request_duration_seconds_sum", route="/predict") > 0
+    assert _delta(after, before, "detpipe_serve_batch_size_count") == 3
+    assert _delta(after, before, "detpipe_serve_batch_size_sum") == 3
+    assert _delta(after, before, "detpipe_serve_batch_size_bucket", le="1.0") == 3
+    assert after[("detpipe_serve_queue_depth", ())] == 0
+    assert after[("detpipe_serve_connections", (("state", "waiting"),))] == 0
+    models = [labels for (n, labels), v in after.items() if n == "detpipe_serve_model_info" and v == 1]
+    assert len(models) == 1 and dict(models[0])["version"] == version, models
+
+
+def _slow_client_run(url: str, body: bytes, stalled_n: int, normal_n: int, wait_s: float
+                     ) -> tuple[list, list, list[float]]:
+    """``stalled_n`` connections that send a POST /predict's headers and half its body, then stall; then
+    ``normal_n`` concurrent normal requests (each on its own connection) with a ``wait_s`` client timeout; then
+    how each stalled socket ended. Returns ``(normal statuses or exception names, normal seconds, seconds until
+    each stalled socket was closed by the server (None: still open 2 body timeouts + 4 s after the start, or after
+    the normal requests if later))``."""
+    import socket
+    import time
+
+    head = (f"POST /predict HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\nContent-Length: {len(body)}\r\n"
+            "\r\n").encode()
+    t0 = time.monotonic()
+    stalled = []
+    for _ in range(stalled_n):
+        sock = socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=5)
+        sock.sendall(head + body[:len(body) // 2])
+        stalled.append(sock)
+    time.sleep(0.2)
+
+    async def normal() -> tuple[list, list]:
+        limits = httpx.Limits(max_connections=normal_n, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=url, timeout=wait_s, limits=limits) as client:
+            async def one():
+                start = time.monotonic()
+                try:
+                    r = await client.post("/predict", content=body)
+                    return r.status_code, time.monotonic() - start
+                except httpx.TransportError as e:
+                    return type(e).__name__, time.monotonic() - start
+            got = await asyncio.gather(*(one() for _ in range(normal_n)))
+        return [g[0] for g in got], [g[1] for g in got]
+    statuses, seconds = asyncio.run(normal())
+    closed: list = []
+    deadline = t0 + 2 * BODY_TIMEOUT_S + 4   # the 32 served stalled clients' body timeout, then the 8 waiting ones'
+    for sock in stalled:       # the server closes each (after its 408, with the body timeout on)
+        sock.settimeout(max(0.01, deadline - time.monotonic()))
+        try:
+            while sock.recv(65536):
+                pass
+            closed.append(time.monotonic() - t0)
+        except (TimeoutError, socket.timeout):
+            closed.append(None)
+        except ConnectionResetError:
+            closed.append(time.monotonic() - t0)
+        finally:
+            sock.close()
+    return statuses, seconds, closed
+
+
+BODY_TIMEOUT_S = 2
+NORMAL_WAIT_S = BODY_TIMEOUT_S + 8   # a normal request's allowance: the body timeout + its own latency (generous)
+
+
+@pytest.mark.parametrize("timeouts", [True, False], ids=["timeouts_on", "timeouts_off_must_starve"])
+def test_slow_clients_cannot_starve_normal_requests(fitted_workdir, images, offline, timeouts):
+    """40 connections send a request's headers and half its body, then stall (more than ``--max-connections``
+    32); then 10 normal requests. With ``--body-timeout 2 --header-timeout 2`` (timeouts_on) all 10 are answered
+    200 with predict's results within the body timeout plus their own latency (`NORMAL_WAIT_S`: the stalled
+    clients hold the 32 slots until the body timeout closes them, the normal ones wait for a slot instead of
+    being refused), every stalled socket is closed by the server (a 408, then end of file), the log has one line
+    per stalled client, ``detpipe_serve_slow_clients_total{phase="body"}`` counts 40; a client stalling in its
+    headers and one sending nothing are closed by the header timeout, a kept-alive connection idle after its answer
+    by ``--keep-alive-timeout 1``. The must-fail variant (timeouts_off: both 0, no limit) shows what
+    the timeouts prevent: not one normal request is answered within the same allowance, the stalled sockets stay
+    open."""
+    name = OTHER_IMAGES[0]
+    body = (images / name).read_bytes()
+    off = () if timeouts else ("--body-timeout", "0", "--header-timeout", "0")
+    on = ("--body-timeout", str(BODY_TIMEOUT_S), "--header-timeout", str(BODY_TIMEOUT_S),
+          "--keep-alive-timeout", "1") if timeouts else ()
+    log = images.parent / f"serve-slow-{timeouts}.log"
+    with running_server(fitted_workdir / "models/model.pt", fitted_workdir / "data", log, *on, *off) as srv:
+        statuses, seconds, closed = _slow_client_run(srv.url, body, 40, 10, NORMAL_WAIT_S)
+        print(f"timeouts {'on' if timeouts else 'off'}: normal requests {statuses} in {[round(s, 1) for s in seconds]}"
+              f" s; stalled sockets closed at {[None if c is None else round(c, 1) for c in closed]} s")
+        if not timeouts:
+            assert all(not isinstance(s, int) for s in statuses), statuses   # starved: no answer in NORMAL_WAIT_S
+            assert all(c is None for c in closed), closed
+            return
+        assert statuses == [200] * 10, statuses
+        assert max(seconds) <= NORMAL_WAIT_S, seconds
+        assert all(c is not None for c in closed), closed
+        r = httpx.post(f"{srv.url}/predict", content=body, timeout=60, params={"file_name": name,
+                                                                               "image_id": _ids(offline)[name]})
+        assert r.status_code == 200 and r.json() == _above(offline[name])
+        # a client stalling in its headers, one sending nothing: closed by the header timeout; a kept-alive
+        # connection idle after its answer: closed by the keep-alive timeout (1 s)
+        import socket
+        import time
+        port = int(srv.url.rsplit(":", 1)[1])
+        partial, idle, kept = (socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(3))
+        t0 = time.monotonic()
+        partial.sendall(b"POST /predict HTTP/1.1\r\nHost: x\r\n")
+        kept.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        answer = b""
+        while b'{"alive":true}' not in answer:
+            answer += kept.recv(1024)
+        assert answer.startswith(b"HTTP/1.1 200"), answer
+        assert kept.recv(1024) == b"" and time.monotonic() - t0 < 1 + 10
+        for sock in (partial, idle):
+            assert sock.recv(1024) == b""
+        assert BODY_TIMEOUT_S - 0.5 < time.monotonic() - t0 < BODY_TIMEOUT_S + 10
+        for sock in (partial, idle, kept):
+            sock.close()
+        metrics = _scrape(srv.url)
+        assert metrics[("detpipe_serve_slow_clients_total", (("phase", "body"),))] == 40
+        assert metrics[("detpipe_serve_slow_clients_total", (("phase", "headers"),))] == 2
+        text = srv.log_text()
+        assert text.count("request body not complete within --body-timeout 2 s") == 40, text[-3000:]
+        assert text.count("request headers not complete within --header-timeout 2 s") == 2, text[-3000:]
+        assert "Traceback" not in text, text[-3000:]
+
+
 def test_startup_errors_are_one_line(server, fitted_workdir, tmp_path):
     """A missing model file, and a port already in use (the module's server's), are one line ``error: ...`` with
     exit status 2, no traceback (found before torch is imported). The command's defaults are predict's."""
@@ -256,6 +416,78 @@ def test_startup_errors_are_one_line(server, fitted_workdir, tmp_path):
         proc = run([sys.executable, "-m", "detpipe.serve", *args], fitted_workdir, check=False, timeout=120)
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
         assert proc.stderr.strip().splitlines()[-1].startswith(expect), proc.stderr[-3000:]
+
+
+def test_reload_under_load_answers_every_request(server, fitted_workdir, images, offline, tmp_path):
+    """A new model without downtime: while 2 clients send images back to back (the module server's queue of 2:
+    never full), ``POST /admin/reload {"model": <a new model file>}`` loads and warms the new file, then swaps;
+    then SIGHUP reloads it again. Every answer is counted: all are 200 with predict's results, each names the
+    version it ran on (``X-Model-Version``), the old version before the swap, the new one after; ``/readyz`` and
+    ``model_info`` name the new version. A model file that cannot be loaded and a bad body are refused with one line
+    and the old model goes on serving. (The new file is the fitted model.pt saved again with another ``iters``: the
+    same weights, another sha256, so the answers stay comparable.)"""
+    import threading
+    import time
+
+    import torch
+
+    ckpt = torch.load(fitted_workdir / "models/model.pt", map_location="cpu", weights_only=True)
+    ckpt["iters"] = int(ckpt["iters"]) + 1
+    new_model = tmp_path / "model-next.pt"
+    torch.save(ckpt, new_model)
+    name = OTHER_IMAGES[1]
+    body, expected = (images / name).read_bytes(), _above(offline[name])
+    params = {"image_id": _ids(offline)[name], "file_name": name}
+    with httpx.Client(base_url=server.url, timeout=120) as admin:
+        old = admin.get("/readyz").json()["version"]
+        bad = admin.post("/admin/reload", json={"model": str(tmp_path / "nothing.onnx")})
+        assert bad.status_code == 422 and f"still serving version {old}" in bad.json()["error"], bad.text
+        assert admin.post("/admin/reload", content=b"{not json").status_code == 400
+        assert admin.get("/readyz").json()["version"] == old
+
+        answers: list[tuple[float, float, int, str, bool]] = []   # (start, end, status, version, results as predict)
+        stop = threading.Event()
+
+        def client():
+            with httpx.Client(base_url=server.url, timeout=120) as c:
+                for _ in range(400):                     # bounded in count, and by `stop` (set within ~30 s)
+                    if stop.is_set():
+                        return
+                    t0 = time.monotonic()
+                    r = c.post("/predict", content=body, params=params)
+                    ok = r.status_code == 200 and results_differ(r.json(), expected) is None
+                    answers.append((t0, time.monotonic(), r.status_code, r.headers.get("x-model-version", ""), ok))
+
+        threads = [threading.Thread(target=client) for _ in range(2)]
+        for t in threads:
+            t.start()
+        try:
+            time.sleep(1.0)
+            reload = admin.post("/admin/reload", json={"model": str(new_model)})
+            swapped = time.monotonic()
+            assert reload.status_code == 200, reload.text
+            new = reload.json()["version"]
+            assert reload.json()["previous_version"] == old and new != old
+            server.proc.send_signal(signal.SIGHUP)       # reload the served file again
+            deadline = time.monotonic() + 30
+            while server.log_text().count("serve: reloaded in") < 2 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            time.sleep(1.0)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(timeout=120)
+        status = admin.get("/readyz").json()
+    statuses = [a[2] for a in answers]
+    print(f"reload under load: {len(answers)} answers, statuses {sorted(set(statuses))}, "
+          f"{sum(a[3] == old for a in answers)} on {old}, {sum(a[3] == new for a in answers)} on {new}")
+    assert statuses == [200] * len(answers) and all(a[4] for a in answers), answers
+    assert {a[3] for a in answers} == {old, new}
+    assert all(a[3] == new for a in answers if a[0] > swapped), "a request started after the swap ran on the old model"
+    assert server.log_text().count("serve: reloaded in") == 2, server.log_text()[-3000:]
+    assert status["version"] == new and status["model"] == str(new_model), status
+    models = [dict(labels) for (n, labels), v in _scrape(server.url).items() if n == "detpipe_serve_model_info"]
+    assert [m["version"] for m in models] == [new], models
 
 
 def test_sigterm_stops_the_server_cleanly(server):
