@@ -29,6 +29,7 @@ from detpipe.engine.checkpoints import (FORMAT, find_resume_state, fingerprint, 
                                        remove_partial_saves, rng_state, save_atomic, schedule_changes,
                                        schedule_params, set_rng_state)
 from detpipe.data.dataset import CachedDetectionDataset, ResumableDistributedSampler, micro_batches, uses_masks
+from detpipe.data.train_transforms import TrainTransforms, resolve as resolve_augment
 from detpipe.data.meta import read_meta
 from detpipe.engine.distributed import setup_distributed
 from detpipe.engine.elastic import EpochPlan, record_samples
@@ -235,6 +236,9 @@ def build_trainer(cfg: params_mod.Train, cache_dir: Path = CACHE_DIR, arrow_meta
     optimizer = torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     dataset = CachedDetectionDataset(cache_root, "train", hflip=cfg.hflip, seed=cfg.seed,
                                      with_masks=uses_masks(model))
+    recipe = resolve_augment(cfg)  # train.augment: the preset and its keys (docs/augment.md)
+    if not recipe.is_flip_only:
+        dataset.transforms = TrainTransforms(recipe, cfg.seed, len(dataset))
     ema = EMAHook(model, cfg.ema_decay) if cfg.ema else None
     hooks = [LRScheduleHook(optimizer, lr, cfg.warmup_iters, cfg.schedule, cfg.milestones, cfg.gamma)]
     hooks += [ema] if ema else []
