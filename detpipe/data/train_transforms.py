@@ -45,7 +45,7 @@ from torchvision import tv_tensors
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
-__all__ = ["Recipe", "PRESETS", "default_augment", "resolve", "TrainTransforms", "draw_seed", "mosaic", "mixup",
+__all__ = ["Recipe", "PRESETS", "default_augment", "resolve", "resolve_preset", "make_sample", "TrainTransforms", "draw_seed", "mosaic", "mixup",
            "per_image_ops"]
 
 PRESET_NAMES = ("flip", "ssd", "detr", "yolo")
@@ -147,6 +147,11 @@ def resolve(cfg) -> Recipe:
     base = _presets(cfg.epochs)[name]
     over = {k: getattr(cfg, k) for k in TUNABLE if getattr(cfg, k, None) is not None}
     return dataclasses.replace(base, **over)
+
+
+def resolve_preset(name: str, epochs: int) -> Recipe:
+    """Preset ``name`` (`PRESET_NAMES`) for a training of ``epochs`` epochs, no key overridden."""
+    return _presets(epochs)[name]
 
 
 def draw_seed(seed: int, epoch: int, index: int, op: str) -> int:
@@ -296,7 +301,8 @@ class TrainTransforms:
         draw, `CachedDetectionDataset.flipped`). Returns ``(sample, dropped)``: the augmented sample (same size as
         the input, boxes XYXY pixels, sanitized by v2 ``SanitizeBoundingBoxes(min_size=1)``) and how many boxes
         the ops removed (objects of mixed-in partners count as added, so ``dropped`` is ``inputs - outputs``
-        over every sample that went in, never negative)."""
+        over every sample that went in, never negative). With masks, an object whose mask no op left a pixel of
+        (a thin object shrunk by nearest-neighbour sampling) is dropped as well."""
         r = self.recipe
         size = tuple(sample["image"].shape[-2:])
         n_in = len(sample["labels"])
@@ -315,6 +321,12 @@ class TrainTransforms:
                 # the partner's own draws are keyed by a sample index past the dataset's, so they never repeat i's
                 other = self._one(self.n + j, epoch, _to_size(counting_load(j, epoch), size), counting_load, size)
                 out = mixup(out, other, float(rng.beta(MIXUP_BETA, MIXUP_BETA)))
+        if "masks" in out:  # an object whose mask a shrinking op sampled away has nothing left to learn from
+            keep = out["masks"].flatten(1).bool().any(1)
+            if not bool(keep.all()):
+                out = {k: (tv_tensors.wrap(v.as_subclass(torch.Tensor)[keep], like=v)
+                           if isinstance(v, tv_tensors.TVTensor) and k != "image" else v[keep] if k != "image" else v)
+                       for k, v in out.items()}
         if flip:
             out = {k: (F.horizontal_flip(v) if k != "labels" else v) for k, v in out.items()}
         return out, n_in + sum(loaded) - len(out["labels"])

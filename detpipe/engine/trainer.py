@@ -134,9 +134,12 @@ class Trainer(TrainerBase):
         self.scaler.step(self.optimizer)
         self.scaler.update()
         step_time = time.perf_counter() - t0
+        augmented = {}
+        if self.dataset.transforms is not None:  # boxes this rank's augmentation removed in this step (crops)
+            augmented["boxes_dropped"] = float(sum(int(t["dropped"]) for _, targets in micro for t in targets))
         self.storage.put_scalars(loss=total, **terms, data_time=data_time, step_time=step_time,
                                  images_per_s=self.images_per_iter / step_time, bad_steps=self.bad_steps,
-                                 memory_mb=memory_mb(self.device))
+                                 memory_mb=memory_mb(self.device), **augmented)
 
     def checkpoint_state(self, done: int) -> dict:
         """Everything needed to continue after ``done`` completed iterations (collective across ranks)."""
