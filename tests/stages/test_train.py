@@ -165,6 +165,10 @@ def test_kill9_resume_with_mosaic_and_mixup_is_bit_identical(cached_workdir, tmp
         data.close()
     names = json.loads((straight / "data/arrow/meta.json").read_text())["label_names"]
     assert (straight / "plots/train_batch.png").read_bytes() == encode_png(draw_batch(micro, names))
+    # the boxes the augmentation cut away are counted per step: iteration 1's row is this step's sum
+    rows = list(csv.DictReader(open(straight / "dvclive/plots/metrics/train/boxes_dropped.tsv"), delimiter="\t"))
+    assert [int(r["step"]) for r in rows] == list(range(1, final_iter + 1))
+    assert float(rows[0]["boxes_dropped"]) == sum(int(t["dropped"]) for _, ts in micro for t in ts) > 0
     image, target = micro[0][0][0], micro[0][1][0]
     u8 = image.mul(255).round().to(torch.uint8)
     cached = [ds.cached_sample(i, 0)["image"].as_subclass(torch.Tensor) for i in range(len(ds))]
