@@ -204,7 +204,8 @@ def per_image_ops(recipe: Recipe) -> list[tuple[str, v2.Transform]]:
     return ops
 
 
-def _affine(recipe: Recipe, canvas_scale: float = 1.0) -> Optional[v2.Transform]:
+def _affine(recipe: Recipe) -> Optional[v2.Transform]:
+    """``RandomAffine`` with the recipe's scale and translate (no rotation or shear), or None when both are 0."""
     if not (recipe.scale or recipe.translate):
         return None
     return v2.RandomAffine(degrees=0.0, translate=(recipe.translate, recipe.translate) if recipe.translate else None,
@@ -222,16 +223,18 @@ def _to_size(sample: Sample, size: tuple[int, int]) -> Sample:
     return {k: (F.resize(v, list(size), antialias=True) if k != "labels" else v) for k, v in sample.items()}
 
 
-def mosaic(tiles: list[Sample], centre: tuple[float, float], size: tuple[int, int], fill: int = YOLO_FILL) -> Sample:
+def mosaic(tiles: list[Sample], centre: tuple[float, float], size: tuple[int, int],
+           fill: tuple[int, int, int] = (YOLO_FILL,) * 3) -> Sample:
     """Four samples ``tiles`` of size ``size`` ``(H, W)`` placed around ``centre`` ``(cx, cy)`` (pixels) of a
     ``(2H, 2W)`` canvas: tile 0 ends at the centre (top-left quadrant), 1 starts right of it (top-right), 2 below
     it (bottom-left), 3 at it (bottom-right), as Ultralytics' ``Mosaic._mosaic4``. Each tile is moved with v2
-    ``F.crop`` (boxes shifted and clipped, masks moved), uncovered canvas is ``fill``. Returns the canvas sample
-    (boxes not yet sanitized)."""
+    ``F.crop`` (boxes shifted and clipped, masks moved), uncovered canvas is ``fill`` (RGB, 0..255). Returns the
+    canvas sample: ``image`` uint8 ``(3, 2H, 2W)``, the tiles' boxes (XYXY canvas pixels, float32) and labels in
+    tile order, masks uint8 ``(N, 2H, 2W)`` when the tiles have them (boxes not yet sanitized)."""
     h, w = size
     cx, cy = int(centre[0]), int(centre[1])
     corners = [(cx - w, cy - h), (cx, cy - h), (cx - w, cy), (cx, cy)]
-    image = torch.full((3, 2 * h, 2 * w), fill, dtype=torch.uint8)
+    image = torch.tensor(fill, dtype=torch.uint8).view(3, 1, 1).expand(3, 2 * h, 2 * w).clone()
     boxes, labels, masks = [], [], []
     for tile, (x0, y0) in zip(tiles, corners):
         moved = {k: (F.crop(v, -y0, -x0, 2 * h, 2 * w) if k != "labels" else v) for k, v in tile.items()}
@@ -280,7 +283,7 @@ class TrainTransforms:
         partners = rng.integers(0, self.n, 3).tolist()
         cx, cy = rng.uniform(0.5, 1.5) * size[1], rng.uniform(0.5, 1.5) * size[0]
         tiles = [first] + [_to_size(load(j, epoch), size) for j in partners]
-        canvas = mosaic(tiles, (cx, cy), size, self.recipe.fill[0])
+        canvas = mosaic(tiles, (cx, cy), size, self.recipe.fill)
         if self.affine is not None:
             canvas = _seeded(draw_seed(self.seed, epoch, i, "mosaic_affine"), self.affine, canvas)
         canvas = {k: (F.center_crop(v, list(size)) if k != "labels" else v) for k, v in canvas.items()}
