@@ -470,7 +470,8 @@ class CachedDetectionDataset(Dataset):
         labels = self._labels[self._lab_off[r]:self._lab_off[r + 1]]
         dropped = None
         if self.transforms is not None and not deferred:
-            sample = make_sample(u8, torch.from_numpy(np.array(boxes, dtype=np.float32)), torch.from_numpy(labels.copy()),
+            sample = make_sample(u8, torch.from_numpy(np.array(boxes, dtype=np.float32)),
+                                 torch.from_numpy(labels.copy()),
                                  None if masks is None else torch.from_numpy(np.ascontiguousarray(masks)))
             sample, dropped = self.transforms(i, epoch, sample, flip, self.cached_sample)
             u8 = sample["image"].as_subclass(torch.Tensor)

@@ -45,8 +45,8 @@ from torchvision import tv_tensors
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
-__all__ = ["Recipe", "PRESETS", "default_augment", "resolve", "resolve_preset", "make_sample", "TrainTransforms", "draw_seed", "mosaic", "mixup",
-           "per_image_ops"]
+__all__ = ["Recipe", "PRESETS", "default_augment", "resolve", "resolve_preset", "make_sample", "TrainTransforms",
+           "draw_seed", "mosaic", "mixup", "per_image_ops"]
 
 PRESET_NAMES = ("flip", "ssd", "detr", "yolo")
 SSD_MEAN_FILL = (123, 117, 104)
@@ -167,7 +167,9 @@ def _seeded(seed: int, fn: Callable, *args):
         return fn(*args)
 
 
-Sample = dict  # {"image": tv_tensors.Image uint8 (3,H,W), "boxes": BoundingBoxes XYXY, "labels": int64 (N,), "masks": Mask uint8 (N,H,W) | absent}
+Sample = dict
+"""A v2 sample: ``{"image": Image uint8 (3, H, W), "boxes": BoundingBoxes XYXY float32 (N, 4), "labels": int64
+(N,), "masks": Mask uint8 (N, H, W)}`` (masks only for mask datasets)."""
 
 
 def make_sample(image: torch.Tensor, boxes: torch.Tensor, labels: torch.Tensor,
