@@ -219,7 +219,8 @@ def main() -> None:
         cfg = params_mod.Train.model_validate({
             **params_mod.load("train", work / "params.yaml").model_dump(),
             "batch_size": args.batch_size, "num_workers": args.workers, "amp": "fp16" if amp else "off",
-            "threads": args.threads, "checkpoint_every": args.warmup + args.iters + 10, "eval_every": 0})
+            "threads": args.threads, "checkpoint_every": args.warmup + args.iters + 10, "eval_every": 0,
+            "augment": "flip"})  # the reference's hflip preset (train.augment: auto would be ssd for ssdlite)
         torch.set_num_threads(args.threads or torch.get_num_threads())
         meta = read_meta(work / "data/arrow/meta.json")
         cache = CachedDetectionDataset(work / "data/cache", "train")

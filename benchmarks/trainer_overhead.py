@@ -94,7 +94,8 @@ def main() -> None:
     work = cached_workdir(128)
     try:
         cfg = params_mod.load("train", work / "params.yaml").model_copy(
-            update={"batch_size": args.batch_size, "checkpoint_every": 20, "num_workers": 0})
+            update={"batch_size": args.batch_size, "checkpoint_every": 20, "num_workers": 0,
+                    "augment": "flip"})  # the bare loop flips only: the trainer must feed the same samples
         o, b = [], []
         for _ in range(args.rounds):
             b.append(bare(cfg, work, args.iters, args.warmup))

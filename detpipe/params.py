@@ -144,7 +144,17 @@ class Train(_Section):
     gamma: float = Field(default=0.1, gt=0, le=1, description='multistep: factor applied at each milestone.')
     warmup_iters: int = Field(default=10, ge=0, description='Iterations of linear LR warmup.')
     hflip: float = Field(default=0.5, ge=0, le=1, description='Probability of a horizontal flip per image per epoch.')
-    seed: int = Field(default=0, description="Seed of the sampler, flips and model init (every rank's RNG derives from it).")
+    augment: Literal["auto", "flip", "ssd", "detr", "yolo"] = Field(default="auto", description="Train-time augmentation preset (docs/augment.md, detpipe.data.train_transforms): flip (hflip only), ssd (torchvision's SSD recipe: photometric distort, zoom-out, IoU crop), detr (RT-DETRv2's: the same with IoU crop p 0.8, off for the last epoch), yolo (Ultralytics' defaults: mosaic, HSV-like colour jitter, scale 0.5, translate 0.1, mosaic closed for the last 10 % of epochs); auto: the model's (ssd* models ssd, rtdetr/dfine/deim detr, others flip). Every preset also flips with hflip. The keys photometric .. stop_augment override the preset's values (null: the preset's).")
+    photometric: Optional[float] = Field(default=None, ge=0, le=1, description="Probability of the colour op per image (ssd/detr: RandomPhotometricDistort; yolo: ColorJitter with Ultralytics' HSV gains); null = the preset's (ssd/detr 0.5, yolo 1, flip 0).")
+    zoom_out: Optional[float] = Field(default=None, ge=1, description="Largest side ratio of RandomZoomOut (side_range 1..zoom_out, p 0.5); 1 = off; null = the preset's (ssd/detr 4).")
+    iou_crop: Optional[float] = Field(default=None, ge=0, le=1, description="Probability that RandomIoUCrop is tried per image; null = the preset's (ssd 1, detr 0.8).")
+    scale: Optional[float] = Field(default=None, ge=0, lt=1, description="Random scale gain: the affine scale is drawn from [1 - scale, 1 + scale] (RandomAffine); null = the preset's (yolo 0.5).")
+    translate: Optional[float] = Field(default=None, ge=0, le=0.5, description="Largest random shift as a fraction of the image side (RandomAffine translate); null = the preset's (yolo 0.1).")
+    mosaic: Optional[float] = Field(default=None, ge=0, le=1, description="Probability of a 4-image mosaic per sample (partners drawn from (seed, epoch, index)); null = the preset's (yolo 1).")
+    mixup: Optional[float] = Field(default=None, ge=0, le=1, description="Probability of blending a sample with another one (ratio ~ Beta(32, 32), targets concatenated); null = the preset's (yolo 0, as Ultralytics).")
+    close_mosaic: Optional[int] = Field(default=None, ge=0, description="The last this many epochs run without mosaic and mixup; null = the preset's (yolo: max(1, round(0.1 x epochs)), Ultralytics' 10 of 100).")
+    stop_augment: Optional[int] = Field(default=None, ge=0, description="The last this many epochs run with the flip only (RT-DETR's stop_epoch); null = the preset's (detr 1).")
+    seed: int = Field(default=0, description="Seed of the sampler, flips, augmentation draws and model init (every rank's RNG derives from it).")
     num_workers: int = Field(default=0, ge=0, description='DataLoader worker processes per training process.')
     checkpoint_every: int = Field(default=20, ge=1, description='Iterations between checkpoints (and one at the end).')
     keep_last: int = Field(default=2, ge=1, description='Checkpoints kept (older ones deleted).')
@@ -200,6 +210,14 @@ class Train(_Section):
             raise ValueError(f"train.nnodes {self.nnodes!r}: MAX must be >= MIN")
         if any(not 0 < m < 1 for m in self.milestones) or self.milestones != sorted(self.milestones):
             raise ValueError("train.milestones must be increasing fractions of training in (0, 1)")
+        for key in ("close_mosaic", "stop_augment"):
+            if getattr(self, key) is not None and getattr(self, key) > self.epochs:
+                raise ValueError(f"train.{key} ({getattr(self, key)}) must be at most train.epochs ({self.epochs})")
+        if self.augment == "flip" and any(getattr(self, k) for k in ("photometric", "iou_crop", "scale", "translate",
+                                                                      "mosaic", "mixup")) or \
+                self.augment == "flip" and (self.zoom_out or 1) > 1:
+            raise ValueError("train.augment: flip has no augmentation ops to tune: choose a preset (ssd, detr, "
+                             "yolo) for photometric, zoom_out, iou_crop, scale, translate, mosaic or mixup")
         if (self.patience or self.final == "best") and not self.eval_every:
             raise ValueError("train.patience and train.final: best need val evaluations: set train.eval_every")
         return self

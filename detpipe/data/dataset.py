@@ -38,6 +38,7 @@ from detpipe.errors import StageError
 from detpipe.data.sampler import ResumableDistributedSampler
 from detpipe.data.cache_format import INDEX_FILE
 from detpipe.data.streaming import ShardPrefetcher, wait_for_shard
+from detpipe.data.train_transforms import TrainTransforms, make_sample
 
 __all__ = ["CachedDetectionDataset", "ResumableDistributedSampler", "collate", "uses_masks", "check_cache_masks",
            "micro_batches", "decode_images"]
@@ -130,6 +131,10 @@ class CachedDetectionDataset(Dataset):
             bit for about half the values).
         with_masks: also return the instance masks (for Mask R-CNN); off by default, so box-only models pay
             nothing for them.
+        transforms: the train-time augmentation (`detpipe.data.train_transforms.TrainTransforms`, ``train.augment``
+            other than ``flip``), applied to each sample after the decode, the flip drawn as above included; its
+            draws are functions of ``(seed, epoch, i, op)`` too. The target then also holds ``dropped`` (``int64``
+            scalar: boxes the ops removed, e.g. cut away by a crop). None: the flip only (the fast path).
 
     Indices are ``i`` (current epoch, `set_epoch`) or ``(epoch, i)`` pairs, which is what `micro_batches` feeds the
     DataLoader, so worker processes kept alive across epochs never depend on a stale `set_epoch`.
@@ -142,13 +147,15 @@ class CachedDetectionDataset(Dataset):
     """
 
     def __init__(self, root: str | Path, split: str, hflip: float = 0.0, seed: int = 0, filesystem: Any = None,
-                 image_dtype: torch.dtype = torch.float32, with_masks: bool = False):
+                 image_dtype: torch.dtype = torch.float32, with_masks: bool = False,
+                 transforms: TrainTransforms | None = None):
         if not 0.0 <= hflip <= 1.0:
             raise ValueError(f"hflip must be in [0, 1], got {hflip}")
         if image_dtype not in (torch.float32, torch.uint8):
             raise ValueError(f"image_dtype must be torch.float32 or torch.uint8, got {image_dtype}")
         self.image_dtype = image_dtype
         self.with_masks = bool(with_masks)
+        self.transforms = transforms
         self.root, self.split, self.hflip, self.seed, self.epoch = str(root), split, float(hflip), int(seed), 0
         self._explicit_fs = filesystem
         fs, base = open_filesystem(self.root, filesystem)
@@ -379,6 +386,20 @@ class CachedDetectionDataset(Dataset):
         epoch, i = self._split(index)
         return self._sample(i, epoch)
 
+    def cached_sample(self, i: int, epoch: int | None = None) -> dict:
+        """Sample ``i``'s cached variant of ``epoch`` un-augmented and un-flipped, as a v2 sample dict
+        (`detpipe.data.train_transforms.make_sample`: ``image`` uint8 ``(3, H, W)``, ``boxes`` XYXY cached pixels,
+        ``labels``, ``masks`` with ``with_masks``): what `TrainTransforms` starts from, and its mosaic / mixup
+        partners."""
+        epoch = self.epoch if epoch is None else int(epoch)
+        r = self.row(i, epoch)
+        record = self._record(r)
+        u8 = self._decoded(r, self._stored(r, record))
+        boxes = torch.from_numpy(np.array(self._boxes[self._box_off[r]:self._box_off[r + 1]], dtype=np.float32))
+        labels = torch.from_numpy(self._labels[self._lab_off[r]:self._lab_off[r + 1]].copy())
+        masks = torch.from_numpy(np.ascontiguousarray(self._masks_view(r, record))) if self.with_masks else None
+        return make_sample(u8, boxes, labels, masks)
+
     def _decode_batch(self, pairs: list[tuple[int, int]]) -> list[torch.Tensor | None]:
         """Decoded pixels of a batch's JPEG samples with one `decode_images` call (None entries for a raw cache or
         with ``defer_decode``: `_sample` reads those itself)."""
@@ -404,7 +425,7 @@ class CachedDetectionDataset(Dataset):
             if not 0 <= i < len(self):
                 raise IndexError(f"sample {i} out of range (dataset of {len(self)})")
         decoded = self._decode_batch(pairs)
-        if torch.utils.data.get_worker_info() is None or self.defer_decode:
+        if torch.utils.data.get_worker_info() is None or self.defer_decode or self.transforms is not None:
             return [self._sample(i, e, u8=d) for (e, i), d in zip(pairs, decoded)]
         rows = [self.row(i, e) for e, i in pairs]
         numel = [3 * int(self._hw[r, 0]) * int(self._hw[r, 1]) for r in rows]
@@ -446,6 +467,18 @@ class CachedDetectionDataset(Dataset):
         boxes = self._boxes[self._box_off[r]:self._box_off[r + 1]]
         masks = self._masks_view(r, record) if self.with_masks else None
         deferred = self.defer_decode and self.encoding == "jpeg"
+        labels = self._labels[self._lab_off[r]:self._lab_off[r + 1]]
+        dropped = None
+        if self.transforms is not None and not deferred:
+            sample = make_sample(u8, torch.from_numpy(np.array(boxes, dtype=np.float32)),
+                                 torch.from_numpy(labels.copy()),
+                                 None if masks is None else torch.from_numpy(np.ascontiguousarray(masks)))
+            sample, dropped = self.transforms(i, epoch, sample, flip, self.cached_sample)
+            u8 = sample["image"].as_subclass(torch.Tensor)
+            boxes = sample["boxes"].as_subclass(torch.Tensor).numpy()
+            labels = sample["labels"].numpy()
+            masks = None if masks is None else sample["masks"].as_subclass(torch.Tensor).numpy()
+            flip = False  # drawn and applied by the transforms
         if flip:
             if not deferred:
                 u8 = u8.flip(-1)  # flip uint8 (cheap), before the float conversion
@@ -461,7 +494,6 @@ class CachedDetectionDataset(Dataset):
             image = u8.to(torch.float32, memory_format=torch.contiguous_format).mul_(1.0 / 255)
         else:
             torch.mul(u8, 1.0 / 255, out=image)
-        labels = self._labels[self._lab_off[r]:self._lab_off[r + 1]]
         if boxes_out is None:
             target = {
                 "boxes": torch.from_numpy(np.array(boxes, dtype=np.float32)),
@@ -480,6 +512,8 @@ class CachedDetectionDataset(Dataset):
                       "offset": floats[2:4], "orig_size": ints[1:3]}
         if deferred:
             target["hflip"] = torch.tensor(flip)
+        if dropped is not None:
+            target["dropped"] = torch.tensor(dropped, dtype=torch.int64)
         if masks is not None:
             if masks_out is None:
                 target["masks"] = torch.from_numpy(np.ascontiguousarray(masks))
@@ -582,14 +616,16 @@ def micro_batches(dataset: CachedDetectionDataset, sampler: ResumableDistributed
     rank will need, in the order of the plan, into ``local_dir`` (None: a temporary folder), holding at most about
     ``local_bytes`` bytes, and deletes each once its last sample is consumed; the dataset memory-maps the copies.
     ``decode_device`` (a CUDA device) decodes a JPEG cache's images there (`decode_images`) instead of in the
-    loader; images then arrive as float32 on that device.
+    loader; images then arrive as float32 on that device. Not with ``dataset.transforms`` (train-time
+    augmentation): those samples are decoded and augmented in the loader (CPU workers).
 
     Raises:
         StageError: one line from the data (unreadable or missing shard, naming its path or URL).
     """
     step = batch_size * accumulate
     epoch, start, offset = position
-    defer = decode_device is not None and torch.device(decode_device).type == "cuda" and dataset.encoding == "jpeg"
+    defer = decode_device is not None and torch.device(decode_device).type == "cuda" and dataset.encoding == "jpeg" \
+        and dataset.transforms is None  # augmentation runs on the decoded pixels in the loader
     dataset.defer_decode = defer
     shards = dataset.sample_shards()
     lookahead = batch_size * (max(1, num_workers) * 2 + 2)  # DataLoader read-ahead: prefetch_factor 2/worker

@@ -29,6 +29,7 @@ from detpipe.engine.checkpoints import (FORMAT, find_resume_state, fingerprint, 
                                        remove_partial_saves, rng_state, save_atomic, schedule_changes,
                                        schedule_params, set_rng_state)
 from detpipe.data.dataset import CachedDetectionDataset, ResumableDistributedSampler, micro_batches, uses_masks
+from detpipe.data.train_transforms import TrainTransforms, resolve as resolve_augment
 from detpipe.data.meta import read_meta
 from detpipe.engine.distributed import setup_distributed
 from detpipe.engine.elastic import EpochPlan, record_samples
@@ -133,9 +134,12 @@ class Trainer(TrainerBase):
         self.scaler.step(self.optimizer)
         self.scaler.update()
         step_time = time.perf_counter() - t0
+        augmented = {}
+        if self.dataset.transforms is not None:  # boxes this rank's augmentation removed in this step (crops)
+            augmented["boxes_dropped"] = float(sum(int(t["dropped"]) for _, targets in micro for t in targets))
         self.storage.put_scalars(loss=total, **terms, data_time=data_time, step_time=step_time,
                                  images_per_s=self.images_per_iter / step_time, bad_steps=self.bad_steps,
-                                 memory_mb=memory_mb(self.device))
+                                 memory_mb=memory_mb(self.device), **augmented)
 
     def checkpoint_state(self, done: int) -> dict:
         """Everything needed to continue after ``done`` completed iterations (collective across ranks)."""
@@ -235,6 +239,9 @@ def build_trainer(cfg: params_mod.Train, cache_dir: Path = CACHE_DIR, arrow_meta
     optimizer = torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     dataset = CachedDetectionDataset(cache_root, "train", hflip=cfg.hflip, seed=cfg.seed,
                                      with_masks=uses_masks(model))
+    recipe = resolve_augment(cfg)  # train.augment: the preset and its keys (docs/augment.md)
+    if not recipe.is_flip_only:
+        dataset.transforms = TrainTransforms(recipe, cfg.seed, len(dataset))
     ema = EMAHook(model, cfg.ema_decay) if cfg.ema else None
     hooks = [LRScheduleHook(optimizer, lr, cfg.warmup_iters, cfg.schedule, cfg.milestones, cfg.gamma)]
     hooks += [ema] if ema else []

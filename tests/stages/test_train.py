@@ -131,6 +131,50 @@ def test_kill9_and_sigterm_resume_is_bit_identical(cached_workdir, tmp_path):
     assert [int(r["step"]) for r in rows] == list(range(1, final_iter + 1))
 
 
+@pytest.mark.slow
+def test_kill9_resume_with_mosaic_and_mixup_is_bit_identical(cached_workdir, tmp_path):
+    """The yolo preset with mosaic and mixup on (close_mosaic: the last of 3 epochs): a run killed with kill -9
+    mid-epoch 1 and resumed ends with the same weights and optimizer state as an uninterrupted run, across the
+    epoch where mosaic closes; plots/train_batch.png is the loader's augmented first step (mosaic tiles and all)."""
+    from detpipe import params as params_mod
+    from detpipe.data.dataset import CachedDetectionDataset, ResumableDistributedSampler, micro_batches
+    from detpipe.data.train_transforms import TrainTransforms, resolve
+    from detpipe.engine.batch_plot import draw_batch, encode_png
+
+    overrides = {"train": {"epochs": 3, "checkpoint_every": 1, "keep_last": 10, "augment": "yolo", "mixup": 0.5,
+                           "close_mosaic": 1}}
+    straight = _copy(cached_workdir, tmp_path / "straight", overrides)
+    killed = _copy(cached_workdir, tmp_path / "killed", overrides)
+    with stage_in_background("train", straight):
+        kill9_training_after(killed, iteration=3)
+    interrupted_at = len(checkpoints(killed))
+    resumed = stage_cli("train", killed)
+    assert "resuming from" in resumed.stderr
+    final_iter = checkpoint_iterations(straight)[-1]
+    assert interrupted_at < final_iter
+    assert assert_same_training_state(checkpoints(straight)[-1], checkpoints(killed)[-1]) == final_iter
+    # the drawn batch is the augmented one the loader yields
+    cfg = params_mod.load("train", straight / "params.yaml")
+    ds = CachedDetectionDataset(straight / "data/cache", "train", hflip=cfg.hflip, seed=cfg.seed)
+    ds.transforms = TrainTransforms(resolve(cfg), cfg.seed, len(ds))
+    sampler = ResumableDistributedSampler(len(ds), 1, 0, seed=cfg.seed, shards=ds.sample_shards())
+    data = micro_batches(ds, sampler, (0, 0, 0), cfg.batch_size, cfg.accumulate)
+    try:
+        micro = next(data)
+    finally:
+        data.close()
+    names = json.loads((straight / "data/arrow/meta.json").read_text())["label_names"]
+    assert (straight / "plots/train_batch.png").read_bytes() == encode_png(draw_batch(micro, names))
+    # the boxes the augmentation cut away are counted per step: iteration 1's row is this step's sum
+    rows = list(csv.DictReader(open(straight / "dvclive/plots/metrics/train/boxes_dropped.tsv"), delimiter="\t"))
+    assert [int(r["step"]) for r in rows] == list(range(1, final_iter + 1))
+    assert float(rows[0]["boxes_dropped"]) == sum(int(t["dropped"]) for _, ts in micro for t in ts) > 0
+    image, target = micro[0][0][0], micro[0][1][0]
+    u8 = image.mul(255).round().to(torch.uint8)
+    cached = [ds.cached_sample(i, 0)["image"].as_subclass(torch.Tensor) for i in range(len(ds))]
+    assert "dropped" in target and all(not torch.equal(u8, c) and not torch.equal(u8, c.flip(-1)) for c in cached)
+
+
 def test_resume_rules(trained_workdir, tmp_path):
     work = _copy(trained_workdir, tmp_path / "w")
     shutil.copytree(trained_workdir / "checkpoints", work / "checkpoints")

@@ -23,7 +23,7 @@ TINY_PARAMS = {
     "convert": {"val_fraction": 0.25, "workers": 0},
     "augment": {"workers": 0},
     "train": {"epochs": 2, "batch_size": 4, "checkpoint_every": 2, "warmup_iters": 1, "lr": 0.01,
-              "threads": 1},
+              "threads": 1, "augment": "flip"},  # the presets: tests/unit/test_train_transforms.py, test_train.py
     "evaluate": {"batch_size": 4},
     "export": {"num_images": 2},
 }

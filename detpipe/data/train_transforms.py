@@ -1,0 +1,337 @@
+"""Train-time augmentation (``train.augment``): the random ops applied to each training sample in the loader, after
+the cache decode — not to be confused with the *augment stage* (`detpipe.data.augment`, `detpipe.data.augmentation`),
+which resizes once and may store pre-computed copies offline.
+
+Presets (`PRESETS`; every one also flips with probability ``train.hflip``, drawn exactly as without augmentation,
+`detpipe.data.dataset.CachedDetectionDataset.flipped`):
+
+* ``flip``: the flip only (no object of this module is made: the dataset's own fast path).
+* ``ssd``: torchvision's SSD / SSDlite recipe, ``references/detection/presets.py`` (``data_augmentation == "ssd"``):
+  ``RandomPhotometricDistort()`` (p 0.5), ``RandomZoomOut(fill=(123, 117, 104))`` (side range 1..4, p 0.5),
+  ``RandomIoUCrop()`` (always tried), ``RandomHorizontalFlip``, ``SanitizeBoundingBoxes``.
+* ``detr``: RT-DETR / RT-DETRv2's ``configs/rtdetrv2/include/dataloader.yml``: ``RandomPhotometricDistort(p=0.5)``,
+  ``RandomZoomOut(fill=0)``, ``RandomIoUCrop(p=0.8)``, ``SanitizeBoundingBoxes(min_size=1)``,
+  ``RandomHorizontalFlip``; its ``stop_epoch`` policy switches those ops off for the last epoch of 72
+  (``stop_augment``: 1).
+* ``yolo``: Ultralytics' ``ultralytics/cfg/default.yaml``: mosaic 1.0, mixup 0.0, hsv_h 0.015, hsv_s 0.7, hsv_v 0.4
+  (here ``ColorJitter(brightness=0.4, saturation=0.7, hue=0.015)``, the HSV gains as torchvision's colour jitter),
+  translate 0.1, scale 0.5, fliplr 0.5, close_mosaic 10 of its default 100 epochs (here the same share of
+  ``train.epochs``: ``max(1, round(0.1 * epochs))``).
+
+Every op is a `torchvision.transforms.v2` transform or functional on ``tv_tensors`` (`Image`, `BoundingBoxes`
+XYXY, `Mask`): boxes, masks and `SanitizeBoundingBoxes` are torchvision's arithmetic, not ours. The multi-image ops
+are short implementations on top of v2 (kornia is not a dependency; its ``RandomMosaic`` handles boxes but not
+instance masks, and would add a library for ~60 lines): `mosaic` places 4 samples around a random centre of a
+2H x 2W canvas with ``F.crop`` (boxes and masks shifted and clipped by v2), then scales/translates the canvas with
+``RandomAffine`` and takes its centre H x W with ``F.center_crop`` (Ultralytics' ``Mosaic`` + ``random_perspective``
+with ``border = -s/2``); `mixup` blends two samples with ratio ~ Beta(32, 32) and concatenates their targets
+(Ultralytics' ``MixUp``).
+
+Determinism: every random draw is a function of ``(seed, epoch, sample index, op)`` only: each op runs under
+``torch.random.fork_rng`` with ``torch.manual_seed(draw_seed(seed, epoch, i, op))`` (v2 transforms draw from torch's
+global generator; the caller's RNG state is restored afterwards), and mosaic / mixup partners are drawn with a
+numpy generator seeded from the same tuple. So the batches do not depend on worker processes, world size or
+resumes (tests/unit/test_train_transforms.py; tests/stages/test_train.py's resume test with the ``yolo`` preset).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+from torchvision import tv_tensors
+from torchvision.transforms import v2
+from torchvision.transforms.v2 import functional as F
+
+__all__ = ["Recipe", "PRESETS", "default_augment", "resolve", "resolve_preset", "make_sample", "TrainTransforms",
+           "draw_seed", "mosaic", "mixup", "per_image_ops"]
+
+PRESET_NAMES = ("flip", "ssd", "detr", "yolo")
+SSD_MEAN_FILL = (123, 117, 104)
+"""Zoom-out fill of torchvision's SSD recipe (``references/detection/presets.py``: ImageNet mean x 255)."""
+YOLO_FILL = 114
+"""Ultralytics' padding grey (mosaic canvas, affine border)."""
+MIXUP_BETA = 32.0
+"""Ultralytics ``MixUp``: blend ratio ~ Beta(32, 32)."""
+
+_OPS = {"photometric": 1, "zoom_out": 2, "iou_crop": 3, "affine": 4, "mosaic": 5, "mixup": 6, "partners": 7,
+        "mosaic_affine": 8, "colour": 9}
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """One resolved augmentation recipe (the preset's values with the user's ``train.*`` keys over them).
+
+    Attributes:
+        name: preset name (``flip``, ``ssd``, ``detr``, ``yolo``).
+        photometric: probability of the colour op (``RandomPhotometricDistort`` for ssd/detr, the HSV-like
+            ``ColorJitter`` for yolo), in [0, 1].
+        zoom_out: largest side ratio of ``RandomZoomOut`` (``side_range=(1, zoom_out)``, p 0.5); 1 = off.
+        iou_crop: probability that ``RandomIoUCrop`` is tried, in [0, 1].
+        scale: random scale gain: the affine scale is drawn from ``[1 - scale, 1 + scale]``; 0 = off.
+        translate: largest affine shift as a fraction of the image side (``RandomAffine(translate=(t, t))``).
+        mosaic: probability of a 4-image mosaic per sample.
+        mixup: probability of blending the sample with another (mosaic'd, when mosaic is on) sample.
+        close_mosaic: the last this many epochs run without mosaic and mixup.
+        stop_augment: the last this many epochs run with the flip only.
+        epochs: ``train.epochs`` (where the closing epochs start).
+        fill: zoom-out / mosaic / affine fill value, per channel (0..255).
+        colour: ``"distort"`` (RandomPhotometricDistort) or ``"hsv"`` (ColorJitter with Ultralytics' gains).
+    """
+    name: str
+    photometric: float = 0.0
+    zoom_out: float = 1.0
+    iou_crop: float = 0.0
+    scale: float = 0.0
+    translate: float = 0.0
+    mosaic: float = 0.0
+    mixup: float = 0.0
+    close_mosaic: int = 0
+    stop_augment: int = 0
+    epochs: int = 1
+    fill: tuple[int, int, int] = (0, 0, 0)
+    colour: str = "distort"
+
+    def mosaic_on(self, epoch: int) -> bool:
+        """Whether mosaic/mixup run in ``epoch`` (0-based): not in the last ``close_mosaic`` nor ``stop_augment``
+        epochs. A function of the epoch only, so it switches at the same iteration after a resume."""
+        return epoch < self.epochs - max(self.close_mosaic, self.stop_augment)
+
+    def per_image_on(self, epoch: int) -> bool:
+        """Whether the per-image ops (colour, zoom-out, IoU crop, affine) run in ``epoch``: not in the last
+        ``stop_augment`` epochs."""
+        return epoch < self.epochs - self.stop_augment
+
+    @property
+    def is_flip_only(self) -> bool:
+        return not (self.photometric or self.zoom_out > 1 or self.iou_crop or self.scale or self.translate
+                    or self.mosaic or self.mixup)
+
+
+def _presets(epochs: int) -> dict[str, Recipe]:
+    close = max(1, round(0.1 * epochs))  # Ultralytics: close_mosaic 10 of its default 100 epochs
+    return {
+        "flip": Recipe("flip", epochs=epochs),
+        "ssd": Recipe("ssd", photometric=0.5, zoom_out=4.0, iou_crop=1.0, fill=SSD_MEAN_FILL, epochs=epochs),
+        "detr": Recipe("detr", photometric=0.5, zoom_out=4.0, iou_crop=0.8, stop_augment=1, epochs=epochs),
+        "yolo": Recipe("yolo", photometric=1.0, scale=0.5, translate=0.1, mosaic=1.0, mixup=0.0, close_mosaic=close,
+                       fill=(YOLO_FILL,) * 3, colour="hsv", epochs=epochs),
+    }
+
+
+PRESETS = _presets(100)
+"""The presets at 100 epochs (the closing epochs scale with ``train.epochs``: `resolve`)."""
+
+TUNABLE = ("photometric", "zoom_out", "iou_crop", "scale", "translate", "mosaic", "mixup", "close_mosaic",
+           "stop_augment")
+"""``train.*`` keys that override a preset's value (null keeps the preset's)."""
+
+
+def default_augment(model_name: str) -> str:
+    """The preset ``train.augment: auto`` means for ``model_name``: the rule is ``ssd*`` (SSD, SSDlite) -> ``ssd``;
+    names starting ``rtdetr``, ``dfine`` or ``deim`` (DETR family) -> ``detr``; every other model -> ``flip``."""
+    name = model_name.lower()
+    if name.startswith("ssd"):
+        return "ssd"
+    if name.startswith(("rtdetr", "dfine", "deim")):
+        return "detr"
+    return "flip"
+
+
+def resolve(cfg) -> Recipe:
+    """The `Recipe` of a ``train`` params section (`detpipe.params.Train`): preset ``cfg.augment`` (``auto``:
+    `default_augment` of ``cfg.model``) with each non-null key of `TUNABLE` over it."""
+    name = default_augment(cfg.model) if cfg.augment == "auto" else cfg.augment
+    base = _presets(cfg.epochs)[name]
+    over = {k: getattr(cfg, k) for k in TUNABLE if getattr(cfg, k, None) is not None}
+    return dataclasses.replace(base, **over)
+
+
+def resolve_preset(name: str, epochs: int) -> Recipe:
+    """Preset ``name`` (`PRESET_NAMES`) for a training of ``epochs`` epochs, no key overridden."""
+    return _presets(epochs)[name]
+
+
+def draw_seed(seed: int, epoch: int, index: int, op: str) -> int:
+    """The seed of one random draw: a 63-bit integer hashed (sha256) from ``(seed, epoch, index, op)``."""
+    key = f"{int(seed)}/{int(epoch)}/{int(index)}/{_OPS[op]}".encode()
+    return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") >> 1
+
+
+def _seeded(seed: int, fn: Callable, *args):
+    """``fn(*args)`` with torch's CPU generator seeded to ``seed``; the caller's generator state is restored."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return fn(*args)
+
+
+Sample = dict
+"""A v2 sample: ``{"image": Image uint8 (3, H, W), "boxes": BoundingBoxes XYXY float32 (N, 4), "labels": int64
+(N,), "masks": Mask uint8 (N, H, W)}`` (masks only for mask datasets)."""
+
+
+def make_sample(image: torch.Tensor, boxes: torch.Tensor, labels: torch.Tensor,
+                masks: Optional[torch.Tensor] = None) -> Sample:
+    """A v2 sample dict: ``image`` ``uint8 (3, H, W)``, ``boxes`` ``float32 (N, 4)`` XYXY pixels, ``labels``
+    ``int64 (N,)``, optional ``masks`` ``uint8 (N, H, W)``."""
+    h, w = image.shape[-2:]
+    out = {"image": tv_tensors.Image(image), "boxes": tv_tensors.BoundingBoxes(boxes, format="XYXY",
+                                                                               canvas_size=(h, w)),
+           "labels": labels}
+    if masks is not None:
+        out["masks"] = tv_tensors.Mask(masks)
+    return out
+
+
+def _fill(recipe: Recipe) -> dict:
+    """v2 fill per input type: the recipe's colour for images, 0 (background) for masks."""
+    return {tv_tensors.Image: list(recipe.fill), tv_tensors.Mask: 0}
+
+
+def per_image_ops(recipe: Recipe) -> list[tuple[str, v2.Transform]]:
+    """The recipe's per-image v2 transforms in order, as ``(op name, transform)`` (the op name keys its seed)."""
+    ops: list[tuple[str, v2.Transform]] = []
+    if recipe.photometric:
+        if recipe.colour == "hsv":
+            ops.append(("colour", v2.RandomApply([v2.ColorJitter(brightness=0.4, saturation=0.7, hue=0.015)],
+                                                 p=recipe.photometric)))
+        else:
+            ops.append(("photometric", v2.RandomPhotometricDistort(p=recipe.photometric)))
+    if recipe.zoom_out > 1:
+        ops.append(("zoom_out", v2.RandomZoomOut(fill=_fill(recipe), side_range=(1.0, recipe.zoom_out))))
+    if recipe.iou_crop:
+        ops.append(("iou_crop", v2.RandomApply([v2.RandomIoUCrop()], p=recipe.iou_crop)))
+    return ops
+
+
+def _affine(recipe: Recipe) -> Optional[v2.Transform]:
+    """``RandomAffine`` with the recipe's scale and translate (no rotation or shear), or None when both are 0."""
+    if not (recipe.scale or recipe.translate):
+        return None
+    return v2.RandomAffine(degrees=0.0, translate=(recipe.translate, recipe.translate) if recipe.translate else None,
+                           scale=(max(1e-3, 1 - recipe.scale), 1 + recipe.scale) if recipe.scale else None,
+                           fill=_fill(recipe), interpolation=v2.InterpolationMode.BILINEAR)
+
+
+_SANITIZE = v2.SanitizeBoundingBoxes(min_size=1)
+
+
+def _to_size(sample: Sample, size: tuple[int, int]) -> Sample:
+    """``sample`` resized (v2 ``F.resize``; masks nearest) to ``size`` ``(H, W)`` pixels if it is not that size."""
+    if tuple(sample["image"].shape[-2:]) == tuple(size):
+        return sample
+    return {k: (F.resize(v, list(size), antialias=True) if k != "labels" else v) for k, v in sample.items()}
+
+
+def mosaic(tiles: list[Sample], centre: tuple[float, float], size: tuple[int, int],
+           fill: tuple[int, int, int] = (YOLO_FILL,) * 3) -> Sample:
+    """Four samples ``tiles`` of size ``size`` ``(H, W)`` placed around ``centre`` ``(cx, cy)`` (pixels) of a
+    ``(2H, 2W)`` canvas: tile 0 ends at the centre (top-left quadrant), 1 starts right of it (top-right), 2 below
+    it (bottom-left), 3 at it (bottom-right), as Ultralytics' ``Mosaic._mosaic4``. Each tile is moved with v2
+    ``F.crop`` (boxes shifted and clipped, masks moved), uncovered canvas is ``fill`` (RGB, 0..255). Returns the
+    canvas sample: ``image`` uint8 ``(3, 2H, 2W)``, the tiles' boxes (XYXY canvas pixels, float32) and labels in
+    tile order, masks uint8 ``(N, 2H, 2W)`` when the tiles have them (boxes not yet sanitized)."""
+    h, w = size
+    cx, cy = int(centre[0]), int(centre[1])
+    corners = [(cx - w, cy - h), (cx, cy - h), (cx - w, cy), (cx, cy)]
+    image = torch.tensor(fill, dtype=torch.uint8).view(3, 1, 1).expand(3, 2 * h, 2 * w).clone()
+    boxes, labels, masks = [], [], []
+    for tile, (x0, y0) in zip(tiles, corners):
+        moved = {k: (F.crop(v, -y0, -x0, 2 * h, 2 * w) if k != "labels" else v) for k, v in tile.items()}
+        ys, xs = slice(max(0, y0), min(2 * h, y0 + h)), slice(max(0, x0), min(2 * w, x0 + w))
+        image[:, ys, xs] = moved["image"][:, ys, xs]
+        boxes.append(moved["boxes"].as_subclass(torch.Tensor))
+        labels.append(tile["labels"])
+        if "masks" in tile:
+            masks.append(moved["masks"].as_subclass(torch.Tensor))
+    out = make_sample(image, torch.cat(boxes), torch.cat(labels), torch.cat(masks) if masks else None)
+    return out
+
+
+def mixup(a: Sample, b: Sample, ratio: float) -> Sample:
+    """``ratio * a + (1 - ratio) * b`` (pixels, rounded to uint8) with both samples' boxes, labels and masks
+    (Ultralytics' ``MixUp``); ``a`` and ``b`` have the same size."""
+    image = (a["image"].float() * ratio + b["image"].float() * (1 - ratio)).round_().clamp_(0, 255).to(torch.uint8)
+    masks = torch.cat([a["masks"], b["masks"]]) if "masks" in a else None
+    return make_sample(image, torch.cat([a["boxes"].as_subclass(torch.Tensor), b["boxes"].as_subclass(torch.Tensor)]),
+                       torch.cat([a["labels"], b["labels"]]), masks)
+
+
+class TrainTransforms:
+    """The train-time augmentation of one `Recipe`, called by `detpipe.data.dataset.CachedDetectionDataset` per
+    sample (in the loader: DataLoader worker processes or the training process).
+
+    ``load(j, epoch)`` gives sample ``j``'s cached, un-augmented, un-flipped sample (`make_sample`) — the mosaic
+    and mixup partners. The output keeps the sample's cached size ``(H, W)`` (zoom-out / crops are resized back
+    with v2 ``F.resize``), so a batch of a fixed-size cache stays one size.
+    """
+
+    def __init__(self, recipe: Recipe, seed: int, n_samples: int):
+        self.recipe, self.seed, self.n = recipe, int(seed), int(n_samples)
+        self.ops = per_image_ops(recipe)
+        self.affine = _affine(recipe)
+
+    def _per_image(self, sample: Sample, epoch: int, i: int, size: tuple[int, int]) -> Sample:
+        for op, t in self.ops:
+            sample = _seeded(draw_seed(self.seed, epoch, i, op), t, sample)
+        if self.affine is not None:
+            sample = _seeded(draw_seed(self.seed, epoch, i, "affine"), self.affine, sample)
+        return _to_size(_SANITIZE(sample), size)
+
+    def _mosaic(self, i: int, epoch: int, first: Sample, load: Callable, size: tuple[int, int]) -> Sample:
+        rng = np.random.default_rng([self.seed % 2**63, epoch, i, _OPS["mosaic"]])
+        partners = rng.integers(0, self.n, 3).tolist()
+        cx, cy = rng.uniform(0.5, 1.5) * size[1], rng.uniform(0.5, 1.5) * size[0]
+        tiles = [first] + [_to_size(load(j, epoch), size) for j in partners]
+        canvas = mosaic(tiles, (cx, cy), size, self.recipe.fill)
+        if self.affine is not None:
+            canvas = _seeded(draw_seed(self.seed, epoch, i, "mosaic_affine"), self.affine, canvas)
+        canvas = {k: (F.center_crop(v, list(size)) if k != "labels" else v) for k, v in canvas.items()}
+        return _SANITIZE(canvas)
+
+    def _one(self, i: int, epoch: int, sample: Sample, load: Callable, size: tuple[int, int]) -> Sample:
+        """Sample ``i`` without mixup: mosaic (with its probability) or the per-image ops."""
+        r = self.recipe
+        if r.mosaic and r.mosaic_on(epoch) and \
+                np.random.default_rng([self.seed % 2**63, epoch, i, _OPS["mosaic"], 0]).random() < r.mosaic:
+            return self._mosaic(i, epoch, sample, load, size)
+        if r.per_image_on(epoch):
+            return self._per_image(sample, epoch, i, size)
+        return sample
+
+    def __call__(self, i: int, epoch: int, sample: Sample, flip: bool, load: Callable) -> tuple[Sample, int]:
+        """Augment sample ``i`` of ``epoch`` (``sample``: its cached `make_sample`; ``flip``: the dataset's flip
+        draw, `CachedDetectionDataset.flipped`). Returns ``(sample, dropped)``: the augmented sample (same size as
+        the input, boxes XYXY pixels, sanitized by v2 ``SanitizeBoundingBoxes(min_size=1)``) and how many boxes
+        the ops removed (objects of mixed-in partners count as added, so ``dropped`` is ``inputs - outputs``
+        over every sample that went in, never negative). With masks, an object whose mask no op left a pixel of
+        (a thin object shrunk by nearest-neighbour sampling) is dropped as well."""
+        r = self.recipe
+        size = tuple(sample["image"].shape[-2:])
+        n_in = len(sample["labels"])
+        loaded = []
+
+        def counting_load(j: int, e: int) -> Sample:
+            s = load(j, e)
+            loaded.append(len(s["labels"]))
+            return s
+
+        out = self._one(i, epoch, sample, counting_load, size)
+        if r.mixup and r.mosaic_on(epoch):
+            rng = np.random.default_rng([self.seed % 2**63, epoch, i, _OPS["mixup"]])
+            if rng.random() < r.mixup:
+                j = int(rng.integers(0, self.n))
+                # the partner's own draws are keyed by a sample index past the dataset's, so they never repeat i's
+                other = self._one(self.n + j, epoch, _to_size(counting_load(j, epoch), size), counting_load, size)
+                out = mixup(out, other, float(rng.beta(MIXUP_BETA, MIXUP_BETA)))
+        if "masks" in out:  # an object whose mask a shrinking op sampled away has nothing left to learn from
+            keep = out["masks"].flatten(1).bool().any(1)
+            if not bool(keep.all()):
+                out = {k: (tv_tensors.wrap(v.as_subclass(torch.Tensor)[keep], like=v)
+                           if isinstance(v, tv_tensors.TVTensor) and k != "image" else v[keep] if k != "image" else v)
+                       for k, v in out.items()}
+        if flip:
+            out = {k: (F.horizontal_flip(v) if k != "labels" else v) for k, v in out.items()}
+        return out, n_in + sum(loaded) - len(out["labels"])

@@ -1,0 +1,354 @@
+"""Train-time augmentation (`detpipe.data.train_transforms`, ``train.augment``) on real COCO128 samples of the cache:
+each op's boxes and masks against torchvision v2's own functional ops on the same inputs and the same drawn
+parameters, mask/box alignment after every op, boxes cut away counted, the must-fail variant (box transform removed),
+draws that depend on (seed, epoch, index, op) only, exact resume of the loader, and the params rules."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from torchvision import tv_tensors
+from torchvision.ops import masks_to_boxes
+from torchvision.transforms import v2
+from torchvision.transforms.v2 import functional as F
+
+from detpipe import params as params_mod
+from detpipe.data import train_transforms as tt
+from detpipe.data.dataset import CachedDetectionDataset, ResumableDistributedSampler, micro_batches
+from detpipe.engine.elastic import EpochPlan
+from detpipe.errors import StageError
+
+SEED = 5
+
+
+@pytest.fixture(scope="module")
+def cache(cached_workdir):
+    return cached_workdir / "data/cache"
+
+
+@pytest.fixture(scope="module")
+def masked(cache):
+    return CachedDetectionDataset(cache, "train", with_masks=True)
+
+
+def _aligned(ds: CachedDetectionDataset):
+    """``load(j, epoch)`` over ``ds``: its cached sample with every box replaced by its mask's bounds (empty masks
+    left out), so that alignment after an op is measured from exactly aligned inputs (COCO's own boxes and polygon
+    masks differ by up to a few pixels)."""
+    def load(j: int, epoch: int) -> dict:
+        s = ds.cached_sample(j, epoch)
+        keep = s["masks"].flatten(1).bool().any(1)
+        masks = s["masks"][keep]
+        boxes = masks_to_boxes(masks) + torch.tensor([0.0, 0.0, 1.0, 1.0])
+        return tt.make_sample(s["image"].as_subclass(torch.Tensor), boxes, s["labels"][keep],
+                              masks.as_subclass(torch.Tensor))
+    return load
+
+
+def _plain(x):
+    return x.as_subclass(torch.Tensor) if isinstance(x, torch.Tensor) else x
+
+
+def _assert_aligned(sample: dict, where: str, exact_inside: bool = True, mag: float = 1.0) -> None:
+    """Every mask keeps a pixel and its pixel bounds lie inside its box (1 px tolerance); with ``exact_inside``
+    they equal the box within 1 px of the input's pixel grid (``mag`` output pixels: the op's magnification,
+    affine scale x resize factor, as nearest-neighbour masks move in whole source pixels) for every object whose
+    box does not touch the image border. (An object an op
+    cuts at the border keeps v2's clamped box, which is larger than the visible mask's bounds when the object is not
+    a rectangle: torchvision transforms boxes, it does not re-derive them from masks.)"""
+    boxes, masks = _plain(sample["boxes"]), _plain(sample["masks"])
+    h, w = masks.shape[-2:]
+    tol = max(1.0, mag) + 0.5  # + half a pixel: nearest-neighbour sampling of a shrinking affine can skip an edge row
+    assert len(boxes) == len(masks) == len(sample["labels"]), where
+    for k, (box, mask) in enumerate(zip(boxes, masks)):
+        ys, xs = torch.nonzero(mask, as_tuple=True)
+        assert len(ys), f"{where}: object {k} lost its mask but kept box {box.tolist()}"
+        bounds = torch.stack([xs.min(), ys.min(), xs.max() + 1, ys.max() + 1]).float()
+        what = f"{where}: object {k}: box {box.tolist()} mask bounds {bounds.tolist()}"
+        assert (bounds[:2] >= box[:2] - tol).all() and (bounds[2:] <= box[2:] + tol).all(), what
+        inside = bool(box[0] > 0 and box[1] > 0 and box[2] < w and box[3] < h)
+        if exact_inside and inside:
+            assert (bounds - box).abs().max() <= tol, what
+
+
+def _sanitized(sample: dict, final: bool = False) -> dict:
+    """The sanitize rule written out: keep boxes at least 1 px wide and high (``SanitizeBoundingBoxes(min_size=1)``
+    on XYXY boxes inside the canvas, which the ops clamp to)."""
+    b = _plain(sample["boxes"])
+    keep = ((b[:, 2] - b[:, 0]) >= 1) & ((b[:, 3] - b[:, 1]) >= 1)
+    if final:  # TrainTransforms' own rule, at the end: an object whose mask lost every pixel goes too
+        keep &= _plain(sample["masks"]).flatten(1).bool().any(1)
+    return {k: tv_tensors.wrap(_plain(v)[keep], like=v) if isinstance(v, tv_tensors.TVTensor) and k != "image"
+            else v[keep] if k != "image" else v for k, v in sample.items()}
+
+
+def _apply_each(sample: dict, fn) -> dict:
+    return {k: (fn(v) if k != "labels" else v) for k, v in sample.items()}
+
+
+def _reference(sample: dict, recipe: tt.Recipe, epoch: int, i: int, flip: bool) -> dict:
+    """What one single-op recipe must give, from torchvision's functional ops (``F.pad``, ``F.crop``, ``F.affine``,
+    ``F.resize``, ``F.horizontal_flip``) applied with the parameters torchvision's transform draws under the
+    op's seed (``make_params``, after the transform's own probability draw)."""
+    size = list(sample["image"].shape[-2:])
+    flat = [sample["image"], sample["boxes"], sample["masks"]]
+    out, mag = sample, 1.0
+    with torch.random.fork_rng(devices=[]):
+        if recipe.zoom_out > 1:
+            torch.manual_seed(tt.draw_seed(SEED, epoch, i, "zoom_out"))
+            if not torch.rand(1) >= 0.5:
+                pad = v2.RandomZoomOut(side_range=(1.0, recipe.zoom_out)).make_params(flat)["padding"]
+                out = {"image": F.pad(sample["image"], pad, fill=list(recipe.fill)),
+                       "boxes": F.pad(sample["boxes"], pad), "masks": F.pad(sample["masks"], pad, fill=0),
+                       "labels": sample["labels"]}
+        elif recipe.iou_crop:
+            torch.manual_seed(tt.draw_seed(SEED, epoch, i, "iou_crop"))
+            if not torch.rand(1) >= recipe.iou_crop:
+                p = v2.RandomIoUCrop().make_params(flat)
+                if p:
+                    out = _apply_each(sample, lambda x: F.crop(x, p["top"], p["left"], p["height"], p["width"]))
+                    boxes = _plain(out["boxes"]).clone()
+                    boxes[~p["is_within_crop_area"]] = 0  # torchvision's rule: centre outside the crop -> dropped
+                    out["boxes"] = tv_tensors.wrap(boxes, like=out["boxes"])
+        elif recipe.scale or recipe.translate:
+            torch.manual_seed(tt.draw_seed(SEED, epoch, i, "affine"))
+            t = v2.RandomAffine(degrees=0.0, translate=(recipe.translate,) * 2 if recipe.translate else None,
+                                scale=(1 - recipe.scale, 1 + recipe.scale) if recipe.scale else None)
+            p = t.make_params(flat)
+            mag = p["scale"]
+            out = {"image": F.affine(sample["image"], **p, interpolation=v2.InterpolationMode.BILINEAR,
+                                     fill=list(recipe.fill)),
+                   "boxes": F.affine(sample["boxes"], **p), "masks": F.affine(sample["masks"], **p, fill=0),
+                   "labels": sample["labels"]}
+    out = _sanitized(out)
+    if list(out["image"].shape[-2:]) != size:
+        mag *= max(size[0] / out["image"].shape[-2], size[1] / out["image"].shape[-1])
+        out = _apply_each(out, lambda x: F.resize(x, size, antialias=True))
+    out = _sanitized(out, final=True)
+    if flip:
+        out = _apply_each(out, F.horizontal_flip)
+    return out, mag
+
+
+_SINGLE_OPS = {
+    "zoom_out": tt.Recipe("t", zoom_out=4.0, fill=tt.SSD_MEAN_FILL, epochs=3),
+    "iou_crop": tt.Recipe("t", iou_crop=0.8, epochs=3),
+    "affine": tt.Recipe("t", scale=0.5, translate=0.1, fill=(114,) * 3, epochs=3),
+}
+
+
+def _check_single_op(masked, recipe: tt.Recipe, op: str) -> dict:
+    load = _aligned(masked)
+    transforms = tt.TrainTransforms(recipe, SEED, len(masked))
+    counts = {"samples": 0, "changed": 0, "dropped": 0, "boxes": 0}
+    for epoch in range(2):
+        for i in range(len(masked)):
+            flip = (i + epoch) % 3 == 0
+            sample = load(i, epoch)
+            got, dropped = transforms(i, epoch, sample, flip, load)
+            ref, mag = _reference(sample, recipe, epoch, i, flip)
+            where = f"{op}, epoch {epoch}, sample {i}"
+            assert torch.equal(_plain(got["labels"]), _plain(ref["labels"])), where
+            torch.testing.assert_close(_plain(got["boxes"]), _plain(ref["boxes"]), rtol=0, atol=1e-4, msg=where)
+            assert torch.equal(_plain(got["masks"]), _plain(ref["masks"])), where
+            assert torch.equal(_plain(got["image"]), _plain(ref["image"])), where
+            assert dropped == len(sample["labels"]) - len(got["labels"]), where
+            _assert_aligned(got, where, mag=mag)
+            counts["samples"] += 1
+            counts["changed"] += not torch.equal(_plain(got["boxes"]), _plain(F.horizontal_flip(sample["boxes"])
+                                                                            if flip else sample["boxes"]))
+            counts["dropped"] += dropped
+            counts["boxes"] += len(got["labels"])
+    return counts
+
+
+@pytest.mark.parametrize("op", sorted(_SINGLE_OPS))
+def test_each_op_equals_torchvisions_functional_ops(masked, op):
+    counts = _check_single_op(masked, _SINGLE_OPS[op], op)
+    assert counts["changed"] >= counts["samples"] // 4, counts  # the op did run on a good share of samples
+    assert counts["boxes"] > 0, counts
+    if op == "iou_crop":
+        assert counts["dropped"] > 0, counts  # some boxes were cut away (and counted)
+
+
+def test_without_the_box_transform_the_reference_test_fails(masked, monkeypatch):
+    """Must-fail variant: every op run with its box transform removed (the boxes handed on unchanged)."""
+    original = tt._seeded
+
+    def boxes_not_transformed(seed, fn, sample):
+        out = original(seed, fn, sample)
+        return {**out, "boxes": tv_tensors.wrap(_plain(sample["boxes"]), like=sample["boxes"],
+                                                 canvas_size=tuple(out["image"].shape[-2:]))}
+
+    monkeypatch.setattr(tt, "_seeded", boxes_not_transformed)
+    for op, recipe in _SINGLE_OPS.items():
+        with pytest.raises(AssertionError):
+            _check_single_op(masked, recipe, op)
+
+
+def test_mosaic_places_four_samples_as_the_crop_reference(masked):
+    """`mosaic`: each quadrant's pixels are its tile's, each tile's boxes are ``F.crop``'s of the tile (shifted
+    by the corner, clipped to the canvas), masks moved with them; then the whole yolo path keeps masks aligned."""
+    load = _aligned(masked)
+    tiles = [tt._to_size(load(j, 0), (320, 320)) for j in (0, 1, 2, 3)]
+    h, w = tiles[0]["image"].shape[-2:]
+    cx, cy = 0.7 * w, 1.2 * h
+    canvas = tt.mosaic(tiles, (cx, cy), (h, w))
+    assert canvas["image"].shape == (3, 2 * h, 2 * w)
+    corners = [(int(cx) - w, int(cy) - h), (int(cx), int(cy) - h), (int(cx) - w, int(cy)), (int(cx), int(cy))]
+    start = 0
+    for tile, (x0, y0) in zip(tiles, corners):
+        n = len(tile["labels"])
+        # pixels: the visible part of the tile at its corner
+        ys, xs = slice(max(0, y0), min(2 * h, y0 + h)), slice(max(0, x0), min(2 * w, x0 + w))
+        assert torch.equal(_plain(canvas["image"])[:, ys, xs],
+                           _plain(tile["image"])[:, ys.start - y0:ys.stop - y0, xs.start - x0:xs.stop - x0])
+        # boxes: shifted by the corner and clipped to the canvas (written out, independent of F.crop)
+        b = _plain(tile["boxes"]) + torch.tensor([x0, y0, x0, y0], dtype=torch.float32)
+        b[:, 0::2] = b[:, 0::2].clamp(0, 2 * w)
+        b[:, 1::2] = b[:, 1::2].clamp(0, 2 * h)
+        torch.testing.assert_close(_plain(canvas["boxes"])[start:start + n], b, rtol=0, atol=1e-4)
+        assert torch.equal(_plain(canvas["labels"])[start:start + n], tile["labels"])
+        start += n
+    assert start == len(canvas["labels"])
+    _assert_aligned(_sanitized(canvas), "mosaic canvas")  # tiles cut only at the canvas border
+    recipe = dataclasses.replace(tt.resolve_preset("yolo", 3), mixup=1.0)
+    transforms = tt.TrainTransforms(recipe, SEED, len(masked))
+    dropped_total = 0
+    for i in range(len(masked)):
+        got, dropped = transforms(i, 0, load(i, 0), i % 2 == 0, load)
+        assert got["image"].shape == (3, h, w)
+        _assert_aligned(got, f"yolo sample {i}", exact_inside=False)  # canvas edges may lie inside
+        dropped_total += dropped
+    assert dropped_total > 0
+
+
+def test_mixup_blends_pixels_and_concatenates_targets(masked):
+    load = _aligned(masked)
+    a, b = load(0, 0), tt._to_size(load(1, 0), tuple(load(0, 0)["image"].shape[-2:]))
+    out = tt.mixup(a, b, 0.25)
+    expect = (0.25 * _plain(a["image"]).double() + 0.75 * _plain(b["image"]).double()).round().to(torch.uint8)
+    assert (out["image"].as_subclass(torch.Tensor).int() - expect.int()).abs().max() <= 1
+    assert torch.equal(_plain(out["boxes"]), torch.cat([_plain(a["boxes"]), _plain(b["boxes"])]))
+    assert torch.equal(out["labels"], torch.cat([a["labels"], b["labels"]]))
+    assert torch.equal(_plain(out["masks"]), torch.cat([_plain(a["masks"]), _plain(b["masks"])]))
+
+
+def _yolo_dataset(cache, **over) -> CachedDetectionDataset:
+    ds = CachedDetectionDataset(cache, "train", hflip=0.5, seed=SEED)
+    recipe = dataclasses.replace(tt.resolve_preset("yolo", 3), **{"mixup": 0.5, **over})
+    ds.transforms = tt.TrainTransforms(recipe, SEED, len(ds))
+    return ds
+
+
+def test_dataset_applies_the_transforms_to_its_cached_sample(cache):
+    """The loader's sample = `TrainTransforms` on `cached_sample` with the dataset's own flip draw; the draws depend
+    on (seed, epoch, index) only: not on access order, and not on the torch RNG state of the caller, which they
+    leave as it was."""
+    ds = _yolo_dataset(cache)
+    n = len(ds)
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    forward = [ds[(1, i)] for i in range(n)]
+    assert torch.equal(torch.get_rng_state(), before)
+    torch.manual_seed(999)
+    backward = {i: ds[(1, i)] for i in reversed(range(n))}
+    for i in range(n):
+        assert torch.equal(forward[i][0], backward[i][0])
+        assert torch.equal(forward[i][1]["boxes"], backward[i][1]["boxes"])
+        got, dropped = ds.transforms(i, 1, ds.cached_sample(i, 1), ds.flipped(i, 1), ds.cached_sample)
+        assert torch.equal(forward[i][0], _plain(got["image"]).float().mul(1 / 255))
+        assert torch.equal(forward[i][1]["boxes"], _plain(got["boxes"]))
+        assert int(forward[i][1]["dropped"]) == dropped
+    other_epoch = [ds[(0, i)][0] for i in range(n)]
+    assert any(not torch.equal(a[0], b) for a, b in zip(forward, other_epoch))
+
+
+def test_close_mosaic_switches_by_epoch(cache):
+    """close_mosaic: the last epochs have no mosaic (a mosaic sample mixes pixels of 4 cached images, a closed
+    epoch's sample is its own image's, scaled/shifted)."""
+    ds = _yolo_dataset(cache, mixup=0.0, scale=0.0, translate=0.0, photometric=0.0, close_mosaic=1)
+    assert ds.transforms.recipe.mosaic_on(1) and not ds.transforms.recipe.mosaic_on(2)
+    for i in range(len(ds)):
+        plain = ds.cached_sample(i, 2)
+        img = _plain(plain["image"])
+        closed = ds[(2, i)][0]
+        expect = img.flip(-1) if ds.flipped(i, 2) else img
+        assert torch.equal(closed, expect.float().mul(1 / 255))
+    assert sum(not torch.equal(ds[(0, i)][0].mul(255).round().to(torch.uint8),
+                               _plain(ds.cached_sample(i, 0)["image"])) for i in range(len(ds))) == len(ds)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_loader_resume_with_mosaic_and_mixup_gives_the_same_batches(cache, num_workers):
+    """micro_batches with the yolo preset (mosaic 1, mixup 0.5, close_mosaic 1 of 3 epochs) started at iteration
+    k equals steps k.. of a run from 0, across the epoch where mosaic closes, in the main process and in workers."""
+    ds = _yolo_dataset(cache, close_mosaic=1)
+    per_epoch = len(ds) // 2
+    sampler = ResumableDistributedSampler(len(ds), seed=SEED, shards=ds.sample_shards())
+    gen = micro_batches(ds, sampler, (0, 0, 0), 2, 1)
+    full = [next(gen)[0] for _ in range(3 * per_epoch)]
+    gen.close()
+    for k in (1, 2 * per_epoch - 1):
+        sampler = ResumableDistributedSampler(len(ds), seed=SEED, shards=ds.sample_shards())
+        gen = micro_batches(ds, sampler, EpochPlan(per_epoch, 2).locate(k), 2, 1, num_workers=num_workers)
+        tail = [next(gen)[0] for _ in range(3 * per_epoch - k)]
+        gen.close()
+        for (ia, ta), (ib, tb) in zip(tail, full[k:]):
+            assert all(torch.equal(x, y) for x, y in zip(ia, ib))
+            for x, y in zip(ta, tb):
+                assert x.keys() == y.keys() and all(torch.equal(x[key], y[key]) for key in x)
+
+
+def test_default_preset_follows_the_model_and_keys_override_it():
+    assert tt.default_augment("ssdlite320_mobilenet_v3_large") == "ssd"
+    assert tt.default_augment("ssd300_vgg16") == "ssd"
+    assert tt.default_augment("rtdetr_v2_r18vd") == "detr" and tt.default_augment("dfine_n") == "detr"
+    assert tt.default_augment("fasterrcnn_mobilenet_v3_large_fpn") == "flip"
+    cfg = params_mod.Train(epochs=30)
+    r = tt.resolve(cfg)
+    assert (r.name, r.photometric, r.zoom_out, r.iou_crop, r.mosaic) == ("ssd", 0.5, 4.0, 1.0, 0.0)
+    y = tt.resolve(params_mod.Train(augment="yolo", epochs=30, mixup=0.2))
+    assert (y.mosaic, y.mixup, y.scale, y.translate, y.close_mosaic) == (1.0, 0.2, 0.5, 0.1, 3)
+    assert tt.resolve(params_mod.Train(augment="flip")).is_flip_only
+
+
+@pytest.mark.parametrize("train, key", [
+    ({"augment": "flip", "mosaic": 1.0}, "train"),
+    ({"augment": "yolo", "close_mosaic": 9, "epochs": 8}, "train"),
+    ({"augment": "mosaic"}, "train.augment"),
+    ({"mixup": 1.5}, "train.mixup"),
+    ({"zoom_out": 0.5}, "train.zoom_out"),
+])
+def test_bad_augmentation_params_are_one_line_errors(tmp_path, train, key):
+    import yaml
+
+    from support.procs import REPO
+
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    params["train"].update(train)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    with pytest.raises(StageError) as e:
+        params_mod.load("train", tmp_path / "params.yaml")
+    assert len(str(e.value).splitlines()) == 1 and f"key '{key}'" in str(e.value), str(e.value)
+
+
+def test_each_rank_of_two_reads_the_samples_a_single_process_draws(cache):
+    """World-size independence: at world size 2 every sample a rank's loader yields (mosaic, mixup and all) equals
+    the same (epoch, index) drawn by one process, so a resume at another world size sees the same samples."""
+    ds = _yolo_dataset(cache)
+    index_of = {image_id: i for i, image_id in enumerate(ds.image_ids)}
+    seen = 0
+    for rank in (0, 1):
+        sampler = ResumableDistributedSampler(len(ds), world_size=2, rank=rank, seed=SEED, shards=ds.sample_shards())
+        gen = micro_batches(ds, sampler, (0, 0, 0), 2, 1)
+        for _ in range(len(ds) // 4):
+            images, targets = next(gen)[0]
+            for image, target in zip(images, targets):
+                ref_image, ref_target = ds[(0, index_of[int(target["image_id"])])]
+                assert torch.equal(image, ref_image) and torch.equal(target["boxes"], ref_target["boxes"])
+                seen += 1
+        gen.close()
+    assert seen == 2 * 2 * (len(ds) // 4) > 0
