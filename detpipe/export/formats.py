@@ -1,7 +1,8 @@
 """The export stage's extra deployment formats (``export.formats``), made from the checked ONNX file: OpenVINO IR
-(`export_openvino`, gated like ONNX by the raw-output parity gate) and int8 ONNX (`quantize_int8`: onnxruntime's
-post-training static quantization, QDQ, gated by `accuracy_gate`: COCO AP and AP50 on val within
-``export.max_ap_drop`` of the eager model's).
+(`export_openvino`, gated like ONNX by the raw-output parity gate) and int8 ONNX (NNCF's accuracy control by default,
+`detpipe.export.quantize`; `quantize_int8`: onnxruntime's post-training static quantization, QDQ, with
+``export.int8_method: plain``; gated by `accuracy_gate`: COCO AP and AP50 on val within ``export.max_ap_drop`` of
+the eager model's).
 
 OpenVINO is run on its CPU plugin with ``INFERENCE_PRECISION_HINT: f32`` (`OPENVINO_CONFIG`): on CPUs with bf16
 or AMX units the plugin's default would compute in bf16, which is not the float model the parity gate checks.

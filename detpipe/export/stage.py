@@ -12,8 +12,9 @@ then the raw pre-NMS head outputs; ``models/torchscript/`` (empty, or with ``exp
 ``model.ts``: ``torch.jit.script``, torchvision's ``(losses, detections)`` API, for LibTorch/C++ users);
 ``models/export_report.json`` and ``models/model_card.md``. With ``export.formats`` (opt-in, default ``[]``;
 `detpipe.export.formats`), from the checked ONNX file: ``models/openvino/model.xml`` + ``model.bin`` (OpenVINO IR,
-float32, same signature) and ``models/int8/model.int8.onnx`` (int8 QDQ, onnxruntime static quantization calibrated
-on ``export.calibration_images`` images of ``data/cache/train``); their folders stay empty otherwise.
+float32, same signature) and ``models/int8/model.int8.onnx`` (int8 QDQ: NNCF's accuracy control,
+`detpipe.export.quantize`, or with ``export.int8_method: plain`` onnxruntime static quantization; calibrated on
+``export.calibration_images`` images of ``data/cache/train``); their folders stay empty otherwise.
 
 Parity gate, on ``export.num_images`` val images: every raw head output (before top-k and NMS, so that ties among
 the near-equal scores of a barely trained model cannot reorder anything) of each file, as loaded back, must equal
@@ -22,7 +23,10 @@ detections are matched too (``export.score_threshold``, ``export.iou_match``) an
 compared nothing fails unless ``export.require_parity: false``. The OpenVINO IR gets the same parity gate. The
 int8 file gets an accuracy gate instead (it cannot be bit-close): COCO AP and AP50 (bbox, 0-1) of the int8 file and
 of the eager model on every val image, scored by the evaluate stage's code, must each drop by at most
-``export.max_ap_drop``. Nothing is written unless every check passes.
+``export.max_ap_drop``, and its count of val detections at score >= ``export.count_score`` within
+``export.max_count_ratio`` of eager's. Nothing is written unless every check passes; with ``export.on_gate_fail:
+skip`` a format other than ONNX that fails its gate is left out instead (its folder empty, the report, model card
+and ``metrics/export.json`` saying why) and the rest is written.
 """
 from __future__ import annotations
 
