@@ -17,6 +17,7 @@ MODELS_DIR = Path("models")
 MODEL = MODELS_DIR / "model.pt"          # train -> evaluate, export
 LIVE_DIR = Path("dvclive")               # train metrics and plots
 METRICS = Path("metrics/eval.json")      # evaluate -> export (model card)
+EXPORT_METRICS = Path("metrics/export.json")  # export: each format's gate result (dvc exp show)
 PLOTS = Path("plots")
 LABEL_PLOTS = PLOTS / "labels"            # convert: label statistics of the train split (DVC plots)
 TRAIN_BATCH_PLOT = PLOTS / "train_batch.png"  # train: the first training batch, drawn (DVC image plot)

@@ -427,11 +427,11 @@ train {{ meta['splits']['train']['images'] }} images, val {{ meta['splits']['val
 | `torchscript/model.ts` (TorchScript) | `list[Tensor]`, each `float32 (3, H, W)` RGB in [0, 1] | \
 `(losses, detections)`; `detections[i]`: `boxes`, `scores`, `labels`{{ ', `masks`' if masks else '' }} as above |
 {% endif %}
-{% if 'openvino' in report['formats'] %}
+{% if 'openvino' in report['formats'] and report['formats']['openvino'].get('written', True) %}
 | `openvino/model.xml` + `model.bin` (OpenVINO IR, float32, from the ONNX file) | {{ image_spec }} | {{ outputs }} |
 {% endif %}
-{% if 'int8' in report['formats'] %}
-| `int8/model.int8.onnx` (int8, QDQ: onnxruntime static quantization, \
+{% if 'int8' in report['formats'] and report['formats']['int8'].get('written', True) %}
+| `int8/model.int8.onnx` (int8, QDQ: {{ report['formats']['int8']['quantizer']['method'] }}, \
 calibrated on {{ report['formats']['int8']['calibration_images'] }} train images) | {{ image_spec }} | {{ outputs }} |
 {% endif %}
 
@@ -442,16 +442,39 @@ Gates, per format:
 {% for name, r in report['formats'].items() %}
 {% if r.get('gate') == 'accuracy' %}
 | {{ name }} | accuracy: COCO AP and AP50 on {{ r['val_images'] }} val images within \
-{{ r['accuracy']['max_ap_drop'] }} of eager | {{ 'pass' if r['accuracy']['ok'] else 'FAIL' }}: \
+{{ r['accuracy']['max_ap_drop'] }} of eager; detections at score >= {{ r['scores']['count_score'] }} within \
+x{{ r['scores']['max_count_ratio'] }} of eager's | {{ 'pass' if r['ok'] else 'FAIL' }}: \
 AP {{ r['accuracy']['int8']['AP'] | fmt('.4f') }} (eager {{ r['accuracy']['eager']['AP'] | fmt('.4f') }}), \
-AP50 {{ r['accuracy']['int8']['AP50'] | fmt('.4f') }} (eager {{ r['accuracy']['eager']['AP50'] | fmt('.4f') }}) |
+AP50 {{ r['accuracy']['int8']['AP50'] | fmt('.4f') }} (eager {{ r['accuracy']['eager']['AP50'] | fmt('.4f') }}), \
+{{ r['scores']['int8']['count'] }} detections (eager {{ r['scores']['eager']['count'] }})\
+{{ '; NOT WRITTEN (export.on_gate_fail: skip)' if r.get('written') is false else '' }} |
 {% else %}
 | {{ name }} | parity: raw head outputs (before top-k/NMS) on {{ report['images'] }} val images equal within \
 {{ report['rtol'] }} of their rms magnitude | {{ 'pass' if r['raw']['ok'] else 'FAIL' }} \
 (largest relative difference {{ r['raw']['max_rel_diff'] | fmt('.2g') }}; \
-final detections matched {{ r['detections']['match'] | fmt('.3f') }}) |
+final detections matched {{ r['detections']['match'] | fmt('.3f') }})\
+{{ '; NOT WRITTEN (export.on_gate_fail: skip)' if r.get('written') is false else '' }} |
 {% endif %}
 {% endfor %}
+{% for name, r in report['formats'].items() if r.get('written') is false %}
+
+**{{ name }} is not in this export:** {{ r['skipped'] }}.
+{% endfor %}
+{% if 'int8' in report['formats'] %}
+{% set q = report['formats']['int8']['quantizer'] %}
+
+int8 quantizer: {{ q['method'] }}\
+{% if 'kept_float' in q %}
+; {{ q['quantized_layers'] }} of {{ q['layers'] }} layers int8, kept float: \
+{{ q['kept_float'] | join(', ') if q['kept_float'] else 'none' }} (reverted by the accuracy control: \
+{{ q['reverted'] | join(', ') if q['reverted'] else 'none' }}; score head by rule: {{ q['score_head'] | join(', ') }})\
+{% endif %}
+. Scores (val, int8 vs eager): {{ report['formats']['int8']['scores']['int8']['count'] }} vs \
+{{ report['formats']['int8']['scores']['eager']['count'] }} detections at score >= \
+{{ report['formats']['int8']['scores']['count_score'] }}; 90th percentile \
+{{ report['formats']['int8']['scores']['int8']['p90'] | fmt('.3f') if report['formats']['int8']['scores']['int8']['p90'] is not none else '-' }} vs \
+{{ report['formats']['int8']['scores']['eager']['p90'] | fmt('.3f') if report['formats']['int8']['scores']['eager']['p90'] is not none else '-' }}.
+{% endif %}
 
 Classes: the model's output `labels` are training labels; `predict` and `evaluate` report the dataset's own
 category ids and names (`category_id_to_label` in `data/arrow/meta.json`; label 0 is the background)\
@@ -493,7 +516,7 @@ result = compiled({'image': image})  # image as for onnxruntime
 boxes, scores, labels = (result[compiled.output(name)] for name in ('boxes', 'scores', 'labels'))
 ```
 {% endif %}
-{% if 'int8' in report['formats'] %}
+{% if 'int8' in report['formats'] and report['formats']['int8'].get('written', True) %}
 
 The int8 file runs like `model.onnx` (`ort.InferenceSession('models/int8/model.int8.onnx', ...)`).
 {% endif %}

@@ -1,7 +1,8 @@
 """The export stage's extra deployment formats (``export.formats``), made from the checked ONNX file: OpenVINO IR
-(`export_openvino`, gated like ONNX by the raw-output parity gate) and int8 ONNX (`quantize_int8`: onnxruntime's
-post-training static quantization, QDQ, gated by `accuracy_gate`: COCO AP and AP50 on val within
-``export.max_ap_drop`` of the eager model's).
+(`export_openvino`, gated like ONNX by the raw-output parity gate) and int8 ONNX (NNCF's accuracy control by default,
+`detpipe.export.quantize`; `quantize_int8`: onnxruntime's post-training static quantization, QDQ, with
+``export.int8_method: plain``; gated by `accuracy_gate`: COCO AP and AP50 on val within ``export.max_ap_drop`` of
+the eager model's).
 
 OpenVINO is run on its CPU plugin with ``INFERENCE_PRECISION_HINT: f32`` (`OPENVINO_CONFIG`): on CPUs with bf16
 or AMX units the plugin's default would compute in bf16, which is not the float model the parity gate checks.
@@ -233,9 +234,13 @@ def coco_ap(results: list[dict], gt: dict, source: str) -> dict:
     return {"AP": stats["AP"], "AP50": stats["AP50"]}
 
 
-def calibration_images(cache_dir: Path, n: int) -> list[torch.Tensor]:
+CALIBRATION_CAP = 300   # export.calibration_images: null takes every train image up to this (NNCF's subset_size)
+
+
+def calibration_images(cache_dir: Path, n: int | None) -> list[torch.Tensor]:
     """``n`` training images of the augmentation cache (``cache_dir/train``), evenly spaced over the split (all of
-    them when it has fewer): ``float32 (3, H, W)`` in [0, 1], as the model is fed.
+    them when it has fewer; None: all, at most `CALIBRATION_CAP`): ``float32 (3, H, W)`` in [0, 1], as the model
+    is fed.
 
     Raises:
         StageError: the train split is missing (`detpipe.data.dataset.CachedDetectionDataset`).
@@ -243,6 +248,7 @@ def calibration_images(cache_dir: Path, n: int) -> list[torch.Tensor]:
     from detpipe.data.dataset import CachedDetectionDataset
 
     train = CachedDetectionDataset(cache_dir, "train")
+    n = CALIBRATION_CAP if n is None else n
     picks = sorted({int(round(x)) for x in np.linspace(0, len(train) - 1, min(n, len(train)))}) if len(train) else []
     return [train[i][0] for i in picks]
 
