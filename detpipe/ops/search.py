@@ -31,15 +31,22 @@ def experiment_name(study: str, number: int) -> str:
 def load_study(cfg: params_mod.Search, root: Path):
     """Create or load (``load_if_exists``) the study ``cfg.study`` in its storage (`detpipe.study.storage_url`),
     direction maximize, with the seeded sampler (``TPESampler(seed, n_startup_trials=startup_trials)`` or
-    ``RandomSampler(seed)``) and `detpipe.study.make_pruner`. Raises ``ValueError`` when ``cfg.space`` is empty."""
+    ``RandomSampler(seed)``, seed = ``cfg.seed`` + the trials the study already has) and `detpipe.study.make_pruner`. Raises ``ValueError`` when ``cfg.space`` is empty."""
     import optuna
 
     if not cfg.space:
         raise ValueError("search.space is empty: name at least one param to search, e.g. "
                          "train.lr: loguniform 1e-4 1e-1")
-    sampler = (optuna.samplers.TPESampler(seed=cfg.seed, n_startup_trials=cfg.startup_trials)
-               if cfg.sampler == "tpe" else optuna.samplers.RandomSampler(seed=cfg.seed))
-    return optuna.create_study(study_name=cfg.study, storage=open_storage(storage_url(cfg.storage, cfg.study, root)),
+    storage = open_storage(storage_url(cfg.storage, cfg.study, root))
+    # a search resumed on a study with trials seeds its sampler further on: seeded as the first search was, it
+    # would draw that search's first params again
+    try:
+        seed = cfg.seed + len(optuna.load_study(study_name=cfg.study, storage=storage).get_trials(deepcopy=False))
+    except KeyError:    # no such study yet
+        seed = cfg.seed
+    sampler = (optuna.samplers.TPESampler(seed=seed, n_startup_trials=cfg.startup_trials)
+               if cfg.sampler == "tpe" else optuna.samplers.RandomSampler(seed=seed))
+    return optuna.create_study(study_name=cfg.study, storage=storage,
                                sampler=sampler, pruner=make_pruner(cfg.pruner, cfg.startup_trials),
                                direction="maximize", load_if_exists=True)
 
@@ -93,8 +100,8 @@ def study_lock(root: Path, study: str):
 
 def claim(study, cfg: params_mod.Search, root: Path, me: dict) -> tuple[int, dict, bool] | None:
     """The next trial this search runs, as ``(number, overrides, resumed)``: a RUNNING trial whose owner is dead
-    (`owner_alive`) is taken over (``resumed``), else a new trial is asked while the study has fewer than
-    ``cfg.n_trials`` trials (any state); None when there is nothing left to run. Under `study_lock`."""
+    (`owner_alive`) is taken over (``resumed``), else a new trial is asked (an enqueued one first:
+    ``study.enqueue_trial``) while the study has fewer than ``cfg.n_trials`` trials (any state but WAITING); None when there is nothing left to run. Under `study_lock`."""
     from optuna.trial import TrialState
 
     with study_lock(root, cfg.study):
@@ -103,7 +110,7 @@ def claim(study, cfg: params_mod.Search, root: Path, me: dict) -> tuple[int, dic
             if t.state == TrialState.RUNNING and not owner_alive(t.user_attrs.get(OWNER_ATTR)):
                 study._storage.set_trial_user_attr(t._trial_id, OWNER_ATTR, me)
                 return t.number, dict(t.params), True
-        if len(trials) >= cfg.n_trials:
+        if sum(t.state != TrialState.WAITING for t in trials) >= cfg.n_trials:   # enqueued ones are not run yet
             return None
         trial = study.ask()
         trial.set_user_attr(OWNER_ATTR, me)

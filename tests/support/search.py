@@ -35,7 +35,8 @@ def learns_repo(dest: Path, train: dict | None = None, search: dict | None = Non
     set_params(repo, {"download": {"source": "data/coco128", "sha256": folder_sha256(repo / "data" / "coco128")},
                       "train": {"epochs": SEARCH_ITERATIONS, "eval_every": SEARCH_EVAL_EVERY,
                                 "checkpoint_every": SEARCH_EVAL_EVERY, "log_every": 1, **(train or {})},
-                      "export": {"torch_export": False}, "search": search or {}})
+                      "evaluate": {"num_plot_images": 1}, "export": {"torch_export": False},
+                      "search": search or {}})
     subprocess.run(["dvc", "repro", "augment"], cwd=repo, env=stage_env(), check=True, capture_output=True,
                    timeout=900)
     run(["git", "add", "-A"], repo)
