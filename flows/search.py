@@ -69,6 +69,9 @@ def search(search_settings: dict[str, Any] | None = None, repo: str | None = Non
     root = repository(repo)
     cfg = settings(root, search_settings)
     search_ops.load_study(cfg, root)    # create it (and fail on bad settings) before any lane starts
+    if cfg.pruner != "none" and not params_mod.load("train", path=root / "params.yaml").eval_every:
+        logger.warning("search.pruner %s prunes nothing: train.eval_every is 0, so training reports no val AP",
+                       cfg.pruner)
     lanes = [run_lane.submit(cfg, str(root), i) for i in range(min(cfg.max_parallel, cfg.n_trials))]
     rows = sorted((r for f in lanes for r in f.result()), key=lambda r: r["trial"])
     study = search_ops.load_study(cfg, root)
