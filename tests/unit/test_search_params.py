@@ -60,3 +60,17 @@ def test_a_good_space_is_sampled_within_its_bounds(tmp_path):
         assert s["train.epochs"] in (4, 8, 16) and s["augment.copies"] in range(4)
     assert len({s["train.lr"] for s in seen}) == 20 and {s["train.epochs"] for s in seen} == {4, 8, 16}
     assert min(s["train.lr"] for s in seen) < 1e-3 < max(s["train.lr"] for s in seen)   # log scale: spread over decades
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--set", "n_trials=0"], "error: key 'search.n_trials': Input should be greater than or equal to 1"),
+    (["--set", "space.train.lr=loguniform 0 1"], "loguniform needs LOW > 0"),
+    (["--set", "sampler=grid"], "error: key 'search.sampler'"),
+    ([], "error: search.space is empty"),
+])
+def test_the_cli_refuses_bad_settings_in_one_line(capsys, args, says):
+    from flows.search import main
+
+    assert main(["--repo", str(REPO), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert says in err and "\n" not in err, err
