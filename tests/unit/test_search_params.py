@@ -74,3 +74,32 @@ def test_the_cli_refuses_bad_settings_in_one_line(capsys, args, says):
     assert main(["--repo", str(REPO), *args]) == 2
     err = capsys.readouterr().err.strip()
     assert says in err and "\n" not in err, err
+
+
+def test_claims_never_share_a_trial_and_take_over_only_dead_owners(tmp_path):
+    """`detpipe.ops.search.claim` on a journal-file study: two live searches get distinct trials and together no more
+    than ``n_trials``; a RUNNING trial whose owner process has exited is taken over with its params; a FINISHED one
+    never is."""
+    import subprocess
+    import sys
+
+    from optuna.trial import TrialState
+
+    from detpipe.ops import search as search_ops
+
+    cfg = params_mod.load("search", _write(tmp_path, {"study": "claims", "n_trials": 3, "storage": "s.journal",
+                                                      "space": {"train.lr": "loguniform 1e-5 1"}}))
+    me = search_ops.owner()
+    dead_proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead = {**me, "pid": dead_proc.pid, "start": __import__("psutil").Process(dead_proc.pid).create_time()}
+    dead_proc.wait()
+    a, b = search_ops.load_study(cfg, tmp_path), search_ops.load_study(cfg, tmp_path)   # two searches
+    n0, p0, r0 = search_ops.claim(a, cfg, tmp_path, dead)       # owned by a process that is gone now
+    n1, _, r1 = search_ops.claim(b, cfg, tmp_path, me)          # taken over: trial 0, its params
+    assert (n0, r0) == (0, False) and (n1, r1) == (0, True)
+    assert search_ops.claim(a, cfg, tmp_path, me)[0] == 1 and search_ops.claim(b, cfg, tmp_path, me)[0] == 2
+    assert search_ops.claim(a, cfg, tmp_path, me) is None       # 3 trials in all, none of them ownerless
+    b.tell(1, 0.5)
+    assert search_ops.claim(b, cfg, tmp_path, dead) is None     # finished trials are never run again
+    assert [t.state for t in a.get_trials()] == [TrialState.RUNNING, TrialState.COMPLETE, TrialState.RUNNING]
+    assert a.trials[0].user_attrs["owner"] == me and a.trials[0].params == p0 == {"train.lr": p0["train.lr"]}
