@@ -274,6 +274,74 @@ class Flows(_Section):
     push_checkpoints_every: int = Field(default=1, ge=0, description="A run that syncs with the remotes (--source deployments) pushes training's checkpoints to the DVC remote, as a partial experiment on git's origin, every this many new checkpoints (0: only when the run ends or is interrupted); a retry on another worker resumes from the newest pushed one.")
 
 
+SEARCH_DISTRIBUTIONS = ("loguniform", "uniform", "int", "choice")
+SEARCH_SECTIONS = ("train", "augment")
+"""The sections a search may vary (``search.space`` keys): what a training (and its data) is."""
+
+
+def parse_space_item(path: str, spec) -> tuple[str, list]:
+    """One ``search.space`` entry ``path: spec`` -> ``(distribution, args)``: ``"loguniform LOW HIGH"``,
+    ``"uniform LOW HIGH"``, ``"int LOW HIGH"`` (LOW < HIGH, loguniform LOW > 0) or ``"choice V1 V2 ..."`` (each value
+    read as YAML, at least two). Every value it can give (both bounds, every choice) is checked against ``path``'s
+    field in its section, with the field's own constraints.
+
+    Raises:
+        ValueError: the key is not ``<train|augment>.<field>``, the distribution is unknown, or a value breaks the
+            field's rule (the message names the key).
+    """
+    from pydantic import TypeAdapter
+
+    section, _, key = path.partition(".")
+    if section not in SEARCH_SECTIONS:
+        raise ValueError(f"{path!r}: a search varies only {' or '.join(SEARCH_SECTIONS)} params (<section>.<key>)")
+    field = Params.model_fields[section].annotation.model_fields.get(key)
+    if field is None:
+        raise ValueError(f"{path!r}: no such param")
+    words = str(spec).split() if isinstance(spec, str) else []
+    if not words or words[0] not in SEARCH_DISTRIBUTIONS:
+        raise ValueError(f"{path}: {spec!r}: expected one of '{' | '.join(d + ' ...' for d in SEARCH_DISTRIBUTIONS)}'")
+    dist, args = words[0], [YAML(typ="safe", pure=True).load(w) for w in words[1:]]
+    if dist == "choice":
+        if len(args) < 2:
+            raise ValueError(f"{path}: choice needs at least two values (got {spec!r})")
+    else:
+        kind = int if dist == "int" else (int, float)
+        if len(args) != 2 or not all(isinstance(a, kind) and not isinstance(a, bool) for a in args) \
+                or not args[0] < args[1]:
+            raise ValueError(f"{path}: {dist} needs two {'integers' if dist == 'int' else 'numbers'} LOW < HIGH "
+                             f"(got {spec!r})")
+        if dist == "loguniform" and args[0] <= 0:
+            raise ValueError(f"{path}: loguniform needs LOW > 0 (got {spec!r})")
+        args = [float(a) for a in args] if dist != "int" else args
+    adapter = TypeAdapter(Annotated[(field.annotation, *field.metadata)] if field.metadata else field.annotation)
+    for v in args:
+        try:
+            adapter.validate_python(v)
+        except ValidationError as e:
+            raise ValueError(f"{path}: value {v!r} of {spec!r}: {e.errors()[0]['msg']}") from None
+    return dist, args
+
+
+class Search(_Section):
+    study: str = Field(default="detpipe", pattern=r"^[A-Za-z0-9_-]+$", description="Name of the Optuna study; each trial is the DVC experiment <study>-t<trial number>.")
+    objective: Literal["AP", "AP50"] = Field(default="AP50", description="What the search maximises: bbox AP@[.5:.95] (AP) or AP50 of metrics/eval.json, and the val AP of the same kind that training reports to the pruner at every train.eval_every.")
+    space: dict[str, str] = Field(default_factory=dict, description="Params to vary, <train or augment>.<key>: 'loguniform LOW HIGH', 'uniform LOW HIGH', 'int LOW HIGH' or 'choice V1 V2 ...' (values read as YAML); every value it can give is checked against that key's own rule. Empty: nothing to search.")
+    sampler: Literal["tpe", "random"] = Field(default="tpe", description="Optuna sampler: tpe (TPESampler) or random (RandomSampler), seeded with seed.")
+    seed: int = Field(default=0, description="Seed of the sampler.")
+    pruner: Literal["median", "hyperband", "none"] = Field(default="median", description="Optuna pruner over the val AP training reports at train.eval_every: median (MedianPruner), hyperband (HyperbandPruner) or none. Pruning needs train.eval_every > 0.")
+    startup_trials: int = Field(default=2, ge=0, description="median: trials that complete before any trial is pruned (MedianPruner n_startup_trials); also TPE's random start-up trials.")
+    n_trials: int = Field(default=8, ge=1, description="Trials of the study in all (every search on it together: a resumed or second search only runs what is missing).")
+    max_parallel: int = Field(default=1, ge=1, description="Trials trained at once by one search (each its own workspace and training).")
+    storage: Optional[str] = Field(default=None, description="Optuna storage: null = the journal file search/<study>.journal in the repository (JournalStorage, file backend); a path ending .journal (journal file) or .db (SQLite), relative to the repository; or a database URL (postgresql://user:pass@host/db, sqlite:///abs.db) for searches on many machines.")
+
+    @field_validator("space")
+    @classmethod
+    def _space(cls, v):
+        for path, spec in v.items():
+            parse_space_item(path, spec)
+        return v
+
+
 class Params(_Section):
     """The whole params.yaml: one section per stage, plus the Prefect flow's settings."""
 
@@ -284,6 +352,7 @@ class Params(_Section):
     evaluate: Evaluate = Field(description='COCO evaluation on val.')
     export: Export = Field(description='TorchScript/ONNX export and parity gate.')
     flows: Flows = Field(description='Prefect flow settings.')
+    search: Search = Field(default_factory=Search, description='Hyperparameter search (python -m flows.search, docs/search.md); no stage reads it.')
 
 
 def load(section: str | None = None, path: Path | str = PARAMS_FILE):

@@ -21,6 +21,7 @@ from prefect.runtime import flow_run
 from detpipe import params as params_mod
 from detpipe.ops import overrides
 from detpipe.ops.experiments import experiment_name
+from flows.search import search as search_flow
 from flows.train import REPO_ENV, report, repository, train
 
 LIMIT_TAG = "detpipe-experiment"
@@ -35,10 +36,18 @@ def experiment(overrides: dict[str, Any], repo: str, name: str) -> dict:
 
 @flow(name="sweep", persist_result=True)
 def sweep(grid: dict[str, Any] | None = None, runs: list[dict[str, Any]] | None = None,
-          repo: str | None = None) -> list[dict]:
+          repo: str | None = None, search: dict[str, Any] | None = None) -> list[dict] | dict:
     """Run every override set of ``grid``/``runs`` (see `detpipe.ops.overrides.expand`) as an experiment named
     ``<sweep run name>-<i>``; returns their results and publishes table artifact ``sweep-results`` (runs ×
-    overrides × AP, AP50)."""
+    overrides × AP, AP50).
+
+    With ``search`` (a dict, ``{}`` for params.yaml's ``search`` section as it is, else changes to it such as
+    ``{"n_trials": 4}``) it runs the Optuna search instead (`flows.search.search`, docs/search.md) and returns its
+    result; ``grid`` and ``runs`` must then be empty."""
+    if search is not None:
+        if grid or runs:
+            raise ValueError("sweep: give either grid/runs or search, not both")
+        return search_flow(search_settings=search or None, repo=repo)
     sets = overrides.expand(grid, runs)
     root = repository(repo)
     with get_client(sync_client=True) as client:

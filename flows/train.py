@@ -33,6 +33,7 @@ from detpipe import params as params_mod
 from detpipe.ops import experiments, remotes, workspace
 from detpipe.ops import overrides as overrides_mod   # the flow's parameter `overrides` takes the module's name
 from detpipe.ops.repair import repair
+from detpipe.study import write_trial_file
 
 STAGES = ("download", "convert", "augment", "train", "evaluate", "export")
 DEFAULT_REPO = Path(__file__).resolve().parent.parent
@@ -75,7 +76,7 @@ def save_experiment(name: str, ws: str, sync: remotes.Run | None = None) -> str:
 
 @flow(name="train", persist_result=True)
 def train(overrides: dict[str, Any] | None = None, repo: str | None = None, upto: str = "export",
-          sync: bool = False) -> dict | None:
+          sync: bool = False, trial: dict | None = None, workspace_id: str | None = None) -> dict | None:
     """Run download → convert → augment → train → evaluate → export through DVC in an isolated workspace and
     save it as DVC experiment named after the flow run.
 
@@ -85,6 +86,10 @@ def train(overrides: dict[str, Any] | None = None, repo: str | None = None, upto
         upto: last stage to run; before ``export`` the run is no experiment (a sweep's shared stages).
         sync: pull from and push to the git remote ``origin`` and the default DVC remote (`detpipe.ops.remotes`);
             always on where ``$DETPIPE_SYNC`` is 1 (``--source`` deployments).
+        trial: a search trial (`detpipe.ops.search.trial_spec`) the training reports its val AP to, written to
+            the workspace's `detpipe.study.TRIAL_FILE` (neither a param nor an output).
+        workspace_id: the workspace's folder name under ``.dvc/tmp/runs`` (default: the flow run id); a search
+            names it after the trial, so a trial resumed by another search continues in the workspace it kept.
     Returns:
         `detpipe.ops.experiments.summarize`'s dict, also published as markdown artifact ``train-results``; None
         when ``upto`` stops early.
@@ -101,9 +106,12 @@ def train(overrides: dict[str, Any] | None = None, repo: str | None = None, upto
     synced = remotes.Run(remotes.check(root), name, run_id) if syncing else None
     start = remotes.find_experiment(root, synced, logger) if synced else None
     stages: dict[str, str] = {}
-    with (workspace.isolated(root, run_id, logger, start, bool(synced)) as ws,
+    with (workspace.isolated(root, workspace_id or run_id, logger, start, bool(synced)) as ws,
           remotes.keeping(ws, synced, stages, logger)):
         overrides_mod.apply(ws / "params.yaml", overrides)
+        if trial:
+            logger.info("search trial %s of study %s: %s", trial["number"], trial["study"],
+                        write_trial_file(ws, trial))
         logger.info("params.yaml overrides of this run: %s", overrides)
         cfg = params_mod.load("flows", path=ws / "params.yaml")
         stage = repro_stage.with_options(retries=cfg.retries, retry_delay_seconds=cfg.retry_delay_s)

@@ -128,15 +128,19 @@ class EvalHook(HookBase):
     ``trainer.request_stop`` at that same iteration, which is put into the storage as ``stopped_early_at``. The
     count is checkpoint state: a resumed run goes on counting, and one resumed after the stop stops at once.
 
+    Search pruning (``report``, a `detpipe.study.TrialReporter`): after each evaluation rank 0 calls
+    ``report(stats, iteration)``; a returned reason stops every rank at that iteration through the same broadcast as
+    early stopping, and ``search/pruned_at`` (the iteration) is put into the storage beside ``stopped_early_at``.
+
     The one order rule among the hooks: ``ema`` must be registered before this hook, so that its ``after_step``
     has averaged in the iteration this hook evaluates (`detpipe.engine.trainer.build_trainer` registers LR, EMA,
     eval, metrics, checkpoints, progress). `before_train` raises ValueError when ``ema`` is not among the trainer's
     hooks before this one."""
 
     def __init__(self, period: int, eval_fn, best_path: Path, config: dict, ema: EMAHook | None = None,
-                 patience: int = 0, min_delta: float = 0.0):
+                 patience: int = 0, min_delta: float = 0.0, report=None):
         self.period, self.eval_fn, self.best_path, self.config, self.ema = period, eval_fn, Path(best_path), config, ema
-        self.patience, self.min_delta = patience, min_delta
+        self.patience, self.min_delta, self.report = patience, min_delta, report
         self.best_ap, self.best_iter, self.stale = -1.0, -1, 0
 
     def _reason(self) -> str | None:
@@ -172,7 +176,10 @@ class EvalHook(HookBase):
                 save_atomic({"model": model.state_dict(), "config": self.config, "iters": done,
                              "AP": self.best_ap}, self.best_path)
                 log.info("iteration %d: AP %.4f, best so far -> %s", done, self.best_ap, self.best_path)
-        box = [self._reason() if self.trainer.rank == 0 else None]
+            pruned = self.report(stats, done) if self.report is not None else None
+            if pruned:
+                self.trainer.storage.put_scalars(keep=True, **{"search/pruned_at": done})
+        box = [(self._reason() or pruned) if self.trainer.rank == 0 else None]
         if self.trainer.distributed:  # every rank waits for rank 0's evaluation and takes its decision
             dist.broadcast_object_list(box, src=0)
         if box[0] and done < self.trainer.max_iter:

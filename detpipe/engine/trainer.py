@@ -38,6 +38,7 @@ from detpipe.errors import Interrupted, StageError, received_signal
 from detpipe.engine.hooks import (CheckpointHook, EMAHook, EvalHook, LRScheduleHook, MetricsHook, ProgressHook,
                                   TrainBatchPlotHook)
 from detpipe.models import build_detector, load_weights
+from detpipe.study import TrialReporter
 from detpipe.warm_start import is_warm_start, materialise_weights, warm_start_path
 from detpipe.paths import ARROW_META, CACHE_DIR, CKPT_DIR, LIVE_DIR, MODEL as MODEL_OUT, TRAIN_BATCH_PLOT
 
@@ -247,7 +248,8 @@ def build_trainer(cfg: params_mod.Train, cache_dir: Path = CACHE_DIR, arrow_meta
     hooks += [ema] if ema else []
     if cfg.eval_every:
         hooks.append(EvalHook(cfg.eval_every, make_eval_fn(cache_root, Path(arrow_meta)),
-                              Path(ckpt_dir) / "best.pt", config, ema, cfg.patience, cfg.min_delta))
+                              Path(ckpt_dir) / "best.pt", config, ema, cfg.patience, cfg.min_delta,
+                              TrialReporter.from_workspace() if rank == 0 else None))
     hooks += [MetricsHook(live_dir), CheckpointHook(ckpt_dir, cfg.checkpoint_every, cfg.keep_last),
               ProgressHook(cfg.log_every_s)]
     if batch_plot is not None:
