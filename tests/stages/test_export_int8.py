@@ -81,7 +81,7 @@ def _accuracy_control_body(work: Path) -> None:
     from detpipe.export.stage import export
 
     os.chdir(work)
-    cfg = Export(num_images=2, torch_export=False, formats=["int8"], max_ap_drop=TIGHT)
+    cfg = Export(num_images=2, torch_export=False, formats=["int8"], max_ap_drop=TIGHT, int8_method="accuracy_control")
     with pytest.raises(StageError) as failed:
         export(cfg, validate=lambda model, items: 1.0)
     message = str(failed.value)
