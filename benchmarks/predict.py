@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 FORMATS = {"eager": "models/model.pt", "onnx": "models/model.onnx", "openvino": "models/openvino/model.xml",
            "int8": "models/int8/model.int8.onnx", "int8_plain": "models/int8_plain/model.int8.onnx"}
-PLAIN = "int8_plain"   # made here (``--plain-int8``) from models/model.onnx: the plain quantizer beside the stage's int8
+PLAIN = "int8_plain"   # made here (``--plain-int8``) from models/model.onnx: the plain quantizer beside the stage's
 
 
 def make_plain_int8(workdir: Path) -> None:

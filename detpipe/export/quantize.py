@@ -85,8 +85,8 @@ def quantize_accuracy_control(onnx_path: Path, out_path: Path, calibration: list
         max_drop: the largest allowed drop (absolute, the metric's units: ``export.max_ap_drop``).
     Returns:
         ``{"method", "layers": int, "quantized_layers": int, "kept_float": [names], "reverted": [names reverted by
-        the accuracy control], "score_head": [names kept float by rule], "metric": {"float", "plain", "last", "calls"}}``: the validation function's values for the float model,
-        NNCF's fully quantized one and the last candidate, and how many full validations ran.
+        the accuracy control], "score_head": [names kept float by rule], "metric": {"float", "plain", "last",
+        "calls"}}``: the validation function's values for the float model, NNCF's fully quantized one and the last candidate, and how many full validations ran.
     Raises:
         StageError: no calibration image; NNCF could not quantize the graph (names the file and the reason).
     """

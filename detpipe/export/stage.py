@@ -162,8 +162,10 @@ def _int8(tmp: Path, cfg: params_mod.Export, eager_wrapper: DetectionExport, eag
           names: list[str], masks: bool, cache_dir: Path, arrow_dir: Path,
           calibration: list[torch.Tensor] | None, validate: Callable | None = None) -> dict:
     """Quantize ``tmp/model.onnx`` to ``tmp/`` ``FILES["int8"]`` (``cfg.int8_method``: NNCF's accuracy control,
-    `detpipe.export.quantize.quantize_accuracy_control`, with our val AP as its validation function; or plain
-    onnxruntime QDQ, `detpipe.export.formats.quantize_int8`) and gate it: COCO AP and AP50 (bbox, 0-1) of the int8
+    `detpipe.export.quantize.quantize_accuracy_control`, with our val AP as its validation function; plain
+    onnxruntime QDQ, `detpipe.export.formats.quantize_int8`; auto: plain, then accuracy control when the plain file
+    fails this gate, the plain figures under ``quantizer["auto_plain_first"]``) and gate it: COCO AP and AP50
+    (bbox, 0-1) of the int8
     file and of the eager model over every val image of ``cache_dir``, against ``arrow_dir/val``'s ground truth,
     scored by the evaluate stage's code (`detpipe.export.formats.val_results`, `detpipe.export.formats.coco_ap`),
     each within ``cfg.max_ap_drop``; and the score calibration: the count of detections at or above
@@ -196,7 +198,21 @@ def _int8(tmp: Path, cfg: params_mod.Export, eager_wrapper: DetectionExport, eag
     eager_ap = coco_ap(eager_results, gt, "eager predictions")
     eager_count = sum(r["score"] >= cfg.count_score for r in eager_results)
     t1 = time.perf_counter()
-    if cfg.int8_method == "accuracy_control":
+    method, first = cfg.int8_method, None
+    if method in ("plain", "auto"):
+        run = quantize_int8(tmp / FILES["onnx"], tmp / FILES["int8"], calib, names)
+        quantizer = {"method": "plain (onnxruntime quantize_static, QDQ, every network layer)"}
+        if method == "auto":   # the fast plain file when it passes the gate, else accuracy control
+            res = val_results(run, val, l2c, masks)
+            ap = coco_ap(res, gt, f"predictions of plain {FILES['int8']}")
+            count = sum(r["score"] >= cfg.count_score for r in res)
+            first = {"AP": ap["AP"], "AP50": ap["AP50"], "count": count,
+                     "ok": accuracy_gate(eager_ap, ap, cfg.max_ap_drop)["ok"]
+                     and count_check(count, eager_count, cfg.max_count_ratio)}
+            method = "plain" if first["ok"] else "accuracy_control"
+            log.info("int8 auto: plain quantizer AP %.4f AP50 %.4f, %d detections: %s", ap["AP"], ap["AP50"],
+                     count, "kept" if first["ok"] else "fails its gate, accuracy control next")
+    if method == "accuracy_control":
         import onnx
 
         metric = validate or ap_metric(val, gt, l2c, masks, eager_ap, cfg.count_score, eager_count,
@@ -205,9 +221,8 @@ def _int8(tmp: Path, cfg: params_mod.Export, eager_wrapper: DetectionExport, eag
             tmp / FILES["onnx"], tmp / FILES["int8"], calib, names, list(range(len(val))),
             lambda i: {"image": np.ascontiguousarray(val[i][0].numpy())}, metric, cfg.max_ap_drop)
         run = onnx_runner(onnx.load(str(tmp / FILES["int8"])))
-    else:
-        run = quantize_int8(tmp / FILES["onnx"], tmp / FILES["int8"], calib, names)
-        quantizer = {"method": "plain (onnxruntime quantize_static, QDQ, every network layer)"}
+    if first is not None:
+        quantizer["auto_plain_first"] = first
     t2 = time.perf_counter()
     int8_results = val_results(run, val, l2c, masks)
     int8_ap = coco_ap(int8_results, gt, f"predictions of {FILES['int8']}")

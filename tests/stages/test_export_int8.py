@@ -81,7 +81,7 @@ def _accuracy_control_body(work: Path) -> None:
     from detpipe.export.stage import export
 
     os.chdir(work)
-    cfg = Export(num_images=2, torch_export=False, formats=["int8"], max_ap_drop=TIGHT)
+    cfg = Export(num_images=2, torch_export=False, formats=["int8"], max_ap_drop=TIGHT, int8_method="accuracy_control")
     with pytest.raises(StageError) as failed:
         export(cfg, validate=lambda model, items: 1.0)
     message = str(failed.value)
@@ -102,3 +102,18 @@ def _accuracy_control_body(work: Path) -> None:
     assert all("classification_head" in n for n in q["score_head"]), q["score_head"]
     card = (work / "models/model_card.md").read_text()
     assert q["reverted"][0] in card and "| int8 | accuracy:" in card and "| pass:" in card, card
+
+
+def test_count_check_refuses_the_issue_drift():
+    """The score-calibration check: the issue's 611 -> 4,414 detections at score >= 0.25 fails at the default x1.5
+    (so do a collapse and a drift just past the bound either way); equal counts, both empty, and the bound itself
+    pass. `score_figures` counts at the threshold inclusively."""
+    from detpipe.export.quantize import count_check, score_figures
+
+    limit = Export().max_count_ratio
+    assert not count_check(4414, 611, limit) and not count_check(0, 611, limit)
+    assert not count_check(917, 611, limit) and not count_check(407, 611, limit)
+    assert count_check(611, 611, limit) and count_check(0, 0, limit) and count_check(916, 611, limit)
+    figures = score_figures([{"score": s} for s in (0.1, 0.25, 0.3, 0.9)], 0.25)
+    assert figures["count"] == 3 and figures["total"] == 4 and figures["max"] == 0.9
+    assert score_figures([], 0.25) == {"count": 0, "total": 0, "p50": None, "p90": None, "p99": None, "max": None}
