@@ -38,7 +38,7 @@ def run_lane(cfg: params_mod.Search, root: str, lane: int) -> list[dict]:
     """Claim and run trials one after another until none is left; returns one row per trial run:
     ``{trial, experiment, state, value, params, resumed}``."""
     logger, rows = get_run_logger(), []
-    study, me = search_ops.load_study(cfg, Path(root)), search_ops.owner()
+    study, me = search_ops.load_study(cfg, Path(root), lane), search_ops.owner()
     while (claimed := search_ops.claim(study, cfg, Path(root), me)) is not None:
         number, overrides, resumed = claimed
         name = search_ops.experiment_name(cfg.study, number)
