@@ -2,7 +2,8 @@
 Optuna hyperparameter search whose every trial is a DVC experiment (docs/search.md).
 
 The ``search`` section of params.yaml says what to vary and how (`detpipe.params.Search`). ``search.max_parallel``
-lanes (Prefect tasks) each loop: claim a trial (`detpipe.ops.search.claim`: a new one, or a running one whose search
+lanes (Prefect tasks; with more than one, the stages before training are reproduced once first, as a sweep does)
+each loop: claim a trial (`detpipe.ops.search.claim`: a new one, or a running one whose search
 died), run it as a ``train`` flow run named ``<study>-t<N>`` (its own workspace ``.dvc/tmp/runs/<study>-t<N>``, the
 trial's params as overrides, its trial written there so that training reports val AP to it and is pruned through
 the early-stopping path), then tell the study the result read from metrics/eval.json (or PRUNED / FAIL). The
@@ -37,7 +38,7 @@ def run_lane(cfg: params_mod.Search, root: str, lane: int) -> list[dict]:
     """Claim and run trials one after another until none is left; returns one row per trial run:
     ``{trial, experiment, state, value, params, resumed}``."""
     logger, rows = get_run_logger(), []
-    study, me = search_ops.load_study(cfg, Path(root)), search_ops.owner()
+    study, me = search_ops.load_study(cfg, Path(root), lane), search_ops.owner()
     while (claimed := search_ops.claim(study, cfg, Path(root), me)) is not None:
         number, overrides, resumed = claimed
         name = search_ops.experiment_name(cfg.study, number)
@@ -72,6 +73,8 @@ def search(search_settings: dict[str, Any] | None = None, repo: str | None = Non
     if cfg.pruner != "none" and not params_mod.load("train", path=root / "params.yaml").eval_every:
         logger.warning("search.pruner %s prunes nothing: train.eval_every is 0, so training reports no val AP",
                        cfg.pruner)
+    if cfg.max_parallel > 1:    # as a sweep: the stages before training once, not raced by parallel trials
+        train.with_options(flow_run_name=f"{cfg.study}-shared")(overrides={}, repo=str(root), upto="augment")
     lanes = [run_lane.submit(cfg, str(root), i) for i in range(min(cfg.max_parallel, cfg.n_trials))]
     rows = sorted((r for f in lanes for r in f.result()), key=lambda r: r["trial"])
     study = search_ops.load_study(cfg, root)

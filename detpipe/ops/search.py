@@ -28,10 +28,11 @@ def experiment_name(study: str, number: int) -> str:
     return f"{study}-t{number}"
 
 
-def load_study(cfg: params_mod.Search, root: Path):
+def load_study(cfg: params_mod.Search, root: Path, lane: int = 0):
     """Create or load (``load_if_exists``) the study ``cfg.study`` in its storage (`detpipe.study.storage_url`),
     direction maximize, with the seeded sampler (``TPESampler(seed, n_startup_trials=startup_trials)`` or
-    ``RandomSampler(seed)``, seed = ``cfg.seed`` + the trials the study already has) and `detpipe.study.make_pruner`. Raises ``ValueError`` when ``cfg.space`` is empty."""
+    ``RandomSampler(seed)``, seed = ``cfg.seed`` + the trials the study already has + ``lane``: parallel lanes of
+    one search, loaded at the same moment, would otherwise draw the same params) and `detpipe.study.make_pruner`. Raises ``ValueError`` when ``cfg.space`` is empty."""
     import optuna
 
     if not cfg.space:
@@ -41,9 +42,10 @@ def load_study(cfg: params_mod.Search, root: Path):
     # a search resumed on a study with trials seeds its sampler further on: seeded as the first search was, it
     # would draw that search's first params again
     try:
-        seed = cfg.seed + len(optuna.load_study(study_name=cfg.study, storage=storage).get_trials(deepcopy=False))
+        seed = cfg.seed + lane + len(optuna.load_study(study_name=cfg.study, storage=storage).get_trials(
+            deepcopy=False))
     except KeyError:    # no such study yet
-        seed = cfg.seed
+        seed = cfg.seed + lane
     sampler = (optuna.samplers.TPESampler(seed=seed, n_startup_trials=cfg.startup_trials)
                if cfg.sampler == "tpe" else optuna.samplers.RandomSampler(seed=seed))
     return optuna.create_study(study_name=cfg.study, storage=storage,

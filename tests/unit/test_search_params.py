@@ -103,3 +103,16 @@ def test_claims_never_share_a_trial_and_take_over_only_dead_owners(tmp_path):
     assert search_ops.claim(b, cfg, tmp_path, dead) is None     # finished trials are never run again
     assert [t.state for t in a.get_trials()] == [TrialState.RUNNING, TrialState.COMPLETE, TrialState.RUNNING]
     assert a.trials[0].user_attrs["owner"] == me and a.trials[0].params == p0 == {"train.lr": p0["train.lr"]}
+
+
+def test_parallel_lanes_draw_different_params(tmp_path):
+    """Two lanes of one search load the study at the same moment: their samplers are seeded apart (by lane), so
+    their first trials do not repeat each other's params (found by a 2-lane search that ran lr 0.0125 twice)."""
+    from detpipe.ops import search as search_ops
+
+    cfg = params_mod.load("search", _write(tmp_path, {"study": "lanes", "n_trials": 4, "storage": "s.journal",
+                                                      "space": {"train.lr": "loguniform 1e-5 1"}}))
+    a, b = search_ops.load_study(cfg, tmp_path, 0), search_ops.load_study(cfg, tmp_path, 1)
+    me = search_ops.owner()
+    first, second = search_ops.claim(a, cfg, tmp_path, me), search_ops.claim(b, cfg, tmp_path, me)
+    assert (first[0], second[0]) == (0, 1) and first[1] != second[1], (first, second)
