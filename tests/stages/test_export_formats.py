@@ -11,7 +11,6 @@ them.
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import shutil
 from pathlib import Path
@@ -29,6 +28,7 @@ from detpipe.export.formats import openvino_runner
 from detpipe.params import Export
 from detpipe.predict import data_meta, predict, prepare
 from support.pipeline import COCO128
+from support.procs import in_child as _in_child
 
 # COCO128 images outside the learns set, of several sizes (640x480, 640x426, 640x428, 481x640)
 OTHER_IMAGES = ("000000000009.jpg", "000000000025.jpg", "000000000030.jpg", "000000000036.jpg")
@@ -36,41 +36,47 @@ FILES = {"eager": "models/model.pt", "onnx": "models/model.onnx", "openvino": "m
          "int8": "models/int8/model.int8.onnx"}
 
 
-def _in_child(body, *args):
-    """Run ``body(*args)`` (a function of this module) in a fresh spawned Python process and return its result; an
-    assertion that fails there fails here with its message. OpenVINO (its TBB threads) and onnxruntime's quantizer
-    then never load into the pytest process, which runs hundreds of other tests: a full CI run whose pytest process
-    had run them in-process died later of SIGSEGV, in an unrelated test, with no Python traceback."""
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(body, args)
+SOUND = Export(num_images=2, torch_export=False, formats=["openvino", "int8"], int8_method="plain")
+"""The sound export of the tests here: ONNX, OpenVINO and int8 with the plain onnxruntime quantizer (the gate's own
+behaviour, and the file the predict test reads; NNCF's accuracy control: tests/stages/test_export_int8.py);
+torch.export off (not what is tested here)."""
 
 
 @pytest.fixture(scope="module")
 def formats_workdir(fitted_workdir, tmp_path_factory) -> Path:
-    """A copy of `fitted_workdir`; the blank-calibration export is tried first (it must fail and write nothing),
-    then the sound export with ``export.formats: [openvino, int8]`` (torch.export off: not what is tested here)."""
+    """A copy of `fitted_workdir` exported with `SOUND` (in a child process, `_in_child`): every test below reads
+    its files, and each passes or fails alone (no test depends on another having run)."""
     work = tmp_path_factory.mktemp("formats") / "w"
     shutil.copytree(fitted_workdir, work)
+    _in_child(_sound_export, work)
     return work
 
 
-@pytest.mark.slow
-def test_int8_gate_refuses_blank_calibration_then_passes_sound(formats_workdir):
-    """The accuracy gate: int8 calibrated on 4 black images (every activation range that of a black image: real
-    images saturate) loses the fitted model's AP; the stage fails with one line giving int8's and eager's AP and
-    AP50, and writes nothing, not even the float files that passed. Calibrated on the training images (the
-    default), the same gate passes: AP and AP50 within export.max_ap_drop; the report and the model card list
-    each format with its gate result."""
-    _in_child(_gate_body, formats_workdir)
-
-
-def _gate_body(work: Path) -> None:
+def _sound_export(work: Path) -> None:
     from detpipe.export.stage import export
 
     os.chdir(work)
-    # the plain onnxruntime quantizer: the gate's own behaviour, and the file the predict test reads; NNCF's
-    # accuracy control is tested in tests/stages/test_export_int8.py
-    cfg = Export(num_images=2, torch_export=False, formats=["openvino", "int8"], int8_method="plain")
+    report = export(SOUND)
+    assert json.loads((work / "models/export_report.json").read_text()) == json.loads(json.dumps(report))
+
+
+@pytest.mark.slow
+def test_int8_gate_refuses_blank_calibration_then_passes_sound(fitted_workdir, formats_workdir, tmp_path):
+    """The accuracy gate: int8 calibrated on 4 black images (every activation range that of a black image: real
+    images saturate) loses the fitted model's AP; the stage fails with one line giving int8's and eager's AP and
+    AP50, and writes nothing, not even the float files that passed. Calibrated on the training images (the
+    default: `formats_workdir`'s export), the same gate passes: AP and AP50 within export.max_ap_drop; the report
+    and the model card list each format with its gate result."""
+    blank = tmp_path / "w"
+    shutil.copytree(fitted_workdir, blank)
+    _in_child(_gate_body, blank, formats_workdir)
+
+
+def _gate_body(work: Path, sound: Path) -> None:
+    from detpipe.export.stage import export
+
+    os.chdir(work)
+    cfg = SOUND
     shape = CachedDetectionDataset(work / "data/cache", "train")[0][0].shape
     with pytest.raises(StageError) as failed:
         export(cfg, calibration=[torch.zeros(shape)] * 4)
@@ -85,7 +91,8 @@ def _gate_body(work: Path) -> None:
     assert "accuracy gate failed: int8" in message and "nothing written" in message
     assert sorted(p.name for p in (work / "models").iterdir()) == ["model.pt"]   # nothing written
 
-    report = export(cfg)
+    work = sound
+    report = json.loads((work / "models/export_report.json").read_text())
     acc = report["formats"]["int8"]["accuracy"]
     assert acc["ok"] and report["formats"]["int8"]["gate"] == "accuracy"
     assert acc["eager"] == {"AP": eager_ap, "AP50": eager_ap50} or abs(acc["eager"]["AP"] - eager_ap) < 1e-4
@@ -97,7 +104,6 @@ def _gate_body(work: Path) -> None:
     for rel in FILES.values():
         assert (work / rel).is_file(), rel
     assert (work / "models/openvino/model.bin").is_file()
-    assert json.loads((work / "models/export_report.json").read_text()) == json.loads(json.dumps(report))
     card = (work / "models/model_card.md").read_text()
     assert "| int8 | accuracy:" in card and "| openvino | parity:" in card and "| onnx | parity:" in card
     assert "FAIL" not in card and card.count("| pass") >= 3
@@ -110,8 +116,6 @@ def test_openvino_agrees_with_onnx_on_real_images(formats_workdir):
     """The OpenVINO IR and the ONNX file of the same model, on COCO128 images prepared as predict prepares them
     (sizes other than the export example's): raw head outputs equal within the float parity tolerance
     (export.rtol), final detections matched (same label, IoU >= 0.99)."""
-    if not (formats_workdir / FILES["openvino"]).is_file():
-        pytest.skip("needs test_int8_gate_refuses_blank_calibration_then_passes_sound's export")
     _in_child(_openvino_body, formats_workdir)
 
 
@@ -138,8 +142,6 @@ def test_predict_with_each_format(formats_workdir, tmp_path):
     boxes inside the original images (pixels, not the 320x320 model frame) with the dataset's COCO category ids;
     ONNX and OpenVINO give the eager model's detections (same ids, boxes within 0.5 px); int8 finds the eager
     model's confident detections (score >= 0.5: same category, IoU >= 0.8)."""
-    if not (formats_workdir / FILES["int8"]).is_file():
-        pytest.skip("needs test_int8_gate_refuses_blank_calibration_then_passes_sound's export")
     _in_child(_predict_body, formats_workdir, tmp_path)
 
 

@@ -23,7 +23,7 @@ import torch
 from detpipe.data.dataset import CachedDetectionDataset
 from detpipe.errors import StageError
 from detpipe.params import Export
-from test_export_formats import _in_child
+from support.procs import in_child as _in_child
 
 TIGHT = 0.005   # max_ap_drop at which NNCF's fully quantized fitted model fails (AP drop ~0.015)
 

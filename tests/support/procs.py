@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
 import random
 import signal
@@ -125,3 +126,12 @@ def _reaped(proc: subprocess.Popen, deadline: float) -> bool:
         return True
     except subprocess.TimeoutExpired:
         return False
+
+
+def in_child(body, *args):
+    """Run ``body(*args)`` (a module-level function of a test module: spawn pickles it by name) in a fresh spawned Python process and return its result; an
+    assertion that fails there fails here with its message. OpenVINO (its TBB threads) and onnxruntime's quantizer
+    then never load into the pytest process, which runs hundreds of other tests: a full CI run whose pytest process
+    had run them in-process died later of SIGSEGV, in an unrelated test, with no Python traceback."""
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(body, args)
