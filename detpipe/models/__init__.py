@@ -159,6 +159,25 @@ def model_kwargs(name: str, cache_meta: dict) -> dict:
     return family_of(name).model_kwargs(name, cache_meta)
 
 
+def optimizer_recipe(cfg: Train) -> tuple[str, float, str]:
+    """``(kind, backbone lr multiplier, backbone parameter prefix)`` for ``cfg``: ``train.optimizer`` (``auto``: the
+    family's, `detpipe.models.family.Family.optimizer`: ``sgd`` for torchvision, ``adamw`` for transformers) and
+    ``train.backbone_lr_mult`` (null: the family's, 1.0 for torchvision, 0.1 for transformers as RT-DETR's and
+    D-FINE's configs).
+
+    Raises:
+        StageError: AdamW with ``train.lr`` above 0.01 (one line: the papers' AdamW lr is 1e-4 to 4e-4; 0.05, the
+            SGD default, diverges).
+    """
+    fam = family_of(cfg.model)
+    kind = fam.optimizer if cfg.optimizer == "auto" else cfg.optimizer
+    mult = fam.backbone_lr_mult if cfg.backbone_lr_mult is None else cfg.backbone_lr_mult
+    if kind == "adamw" and cfg.lr > 0.01:
+        raise StageError(f"params.yaml: train.lr={cfg.lr} with AdamW (train.optimizer: {cfg.optimizer}, model "
+                         f"{cfg.model}) diverges: set train.lr: 0.0001 (RT-DETR's and D-FINE's lr; 0.05 is SGD's)")
+    return kind, float(mult), fam.backbone_prefix
+
+
 def build_detector(cfg: Train, arrow_meta: Path = ARROW_META, cache_dir: Path = CACHE_DIR,
                    device: torch.device | str | None = None) -> tuple[nn.Module, dict, bytes]:
     """The untrained model ``cfg.model`` sized for the cache (`model_kwargs`), with the cache's masks checked
@@ -184,6 +203,7 @@ def build_detector(cfg: Train, arrow_meta: Path = ARROW_META, cache_dir: Path = 
     cache_root = cfg.cache_url or str(cache_dir)
     cache_meta_bytes = read_cache_meta_bytes(cache_root)
     cache_meta = json.loads(cache_meta_bytes)
+    optimizer_recipe(cfg)  # an unusable optimizer choice fails here, in the launcher, before any worker starts
     config = model_config(cfg.model, int(meta["num_classes"]), **model_kwargs(cfg.model, cache_meta))
     with torch.device(device) if device is not None else contextlib.nullcontext():
         model = build_from_config(config)
