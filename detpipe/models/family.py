@@ -55,14 +55,17 @@ _FAMILIES: list[Family] = []
 
 
 def register(family: Family) -> Family:
-    """Add ``family`` to the registry (last registered is asked first: torchvision's is the fallback)."""
-    _FAMILIES.insert(0, family)
+    """Add ``family`` to the registry; torchvision's is asked last (it is the fallback: any name no other family
+    owns goes to its builder, which fails with the list of names)."""
+    if family.name == "torchvision":
+        _FAMILIES.append(family)
+    else:
+        _FAMILIES.insert(0, family)
     return family
 
 
 def _load() -> list[Family]:
-    if not _FAMILIES:
-        from detpipe.models import torchvision_family, transformers_family  # noqa: F401  (they register)
+    from detpipe.models import torchvision_family, transformers_family  # noqa: F401  (importing registers them)
     return _FAMILIES
 
 
