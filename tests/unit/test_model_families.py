@@ -45,7 +45,7 @@ def test_families_answer_for_the_stages():
     hf = build_model("rtdetr_v2_tiny", 3, size=128)
     hf._detpipe_name = "rtdetr_v2_tiny"
     assert family_of_model(tv).name == "torchvision" and family_of_model(hf).name == "transformers"
-    assert raw_taps(tv) == ["head"] and raw_taps(hf) == ["raw"]
+    assert raw_taps(tv) == ["head"] and raw_taps(hf) == ["hf.model.enc_score_head", "hf.model.enc_bbox_head"]
     assert torch_export_supported(tv) and not torch_export_supported(hf)
     assert not uses_masks(tv) and not uses_masks(hf)
     fixed, keep = {"resize": "fixed", "size": 320}, {"resize": "keep_ratio", "size": 320, "min_size": 320,
@@ -187,3 +187,31 @@ def test_ddp_rank_without_boxes_does_not_hang(tmp_path):
             if p.is_alive():
                 p.kill()
     assert [(tmp_path / f"rank{r}").read_text() for r in range(2)] == ["True", "True"]
+
+
+@pytest.mark.parametrize("name", ["rtdetr_v2_tiny", "dfine_tiny"])
+def test_onnx_export_passes_the_parity_gate_on_the_family_taps(tmp_path, name):
+    """The export stage's functions on the family's model: the ONNX file's raw outputs (the encoder's class logits
+    and boxes over every anchor) equal eager's within the stage's default rtol; a changed weight in the eager
+    model fails the same gate (so it is no tautology)."""
+    from detpipe.export.exporter import DetectionExport, export_onnx, parity, split_outputs
+    torch.manual_seed(0)
+    model = build_model(name, 4, size=128).eval()
+    model._detpipe_name = name
+    with torch.no_grad():   # as after training: transformers' init zeroes weights here (the encoder's output
+        for head in ("enc_output", "enc_score_head", "enc_bbox_head"):   # projection, the heads' last layers), which
+            for p in getattr(model.hf.model, head).parameters():         # makes these outputs constant
+                p.normal_(0, 0.1)
+    images = [torch.rand(3, 128, 128, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    wrapper = DetectionExport(model, False).eval()
+    names = wrapper.output_names(images[0])[3:]
+    assert names == ["hf.model.enc_score_head", "hf.model.enc_bbox_head"], names
+    with torch.inference_mode():
+        eager = [split_outputs(wrapper(im), False) for im in images]
+    run = export_onnx(wrapper, images[0], tmp_path / "model.onnx", 17)
+    outs = [split_outputs(run(im), False) for im in images]
+    assert parity(eager, outs, names, 1e-3, 0.05, 0.99)["raw"]["ok"]
+    with torch.no_grad():
+        model.hf.model.enc_score_head.weight.mul_(1.5)
+        changed = [split_outputs(wrapper(im), False) for im in images]
+    assert not parity(changed, outs, names, 1e-3, 0.05, 0.99)["raw"]["ok"]
