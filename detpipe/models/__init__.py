@@ -21,6 +21,7 @@ import torchvision
 from torch import nn
 
 from detpipe.models.family import Family, family_of, family_of_model  # noqa: F401  (public here)
+from detpipe.models import hf_weights  # noqa: F401  (imported first: records the user's HF_HUB_OFFLINE)
 
 from detpipe.errors import StageError
 from detpipe.files import is_url, read_url_bytes
@@ -75,10 +76,17 @@ def load_weights(model: nn.Module, source: str, sha256: str | None = None) -> di
     against ``sha256`` when given; or a torchvision weights name of the model (e.g. ``COCO_V1``), which
     needs internet access.
 
+    For a transformers-family model, ``source`` may also be a Hugging Face model folder (``config.json`` +
+    ``model.safetensors``; ``sha256`` is its folder-manifest digest), a ``.safetensors`` file or a hub id (online
+    only): `detpipe.models.hf_weights.load_hf_weights`.
+
     Returns ``{"loaded": n, "skipped": [keys]}``.
     Raises:
         StageError: unreadable source, sha256 mismatch, unknown weights name, or offline download.
     """
+    from detpipe.models.hf_weights import load_hf_weights, wants_hf_loader
+    if wants_hf_loader(model, source):
+        return load_hf_weights(model, source, sha256)
     is_path = is_url(source) or "/" in source or source.endswith((".pt", ".pth"))
     if is_path:
         try:
