@@ -167,6 +167,11 @@ def model_kwargs(name: str, cache_meta: dict) -> dict:
     return family_of(name).model_kwargs(name, cache_meta)
 
 
+# What the AdamW refusal tells the user to pass (dvc exp run / python -m stages.train -S ...): RT-DETRv2's recipe
+# (arXiv:2407.17140; lyuwenyu/RT-DETR rtdetrv2 configs: lr 1e-4, backbone 1e-5, weight decay 1e-4).
+ADAMW_RECIPE_ARGS = "-S train.lr=0.0001 -S train.weight_decay=0.0001"
+
+
 def optimizer_recipe(cfg: Train) -> tuple[str, float, str]:
     """``(kind, backbone lr multiplier, backbone parameter prefix)`` for ``cfg``: ``train.optimizer`` (``auto``: the
     family's, `detpipe.models.family.Family.optimizer`: ``sgd`` for torchvision, ``adamw`` for transformers) and
@@ -174,15 +179,16 @@ def optimizer_recipe(cfg: Train) -> tuple[str, float, str]:
     D-FINE's configs).
 
     Raises:
-        StageError: AdamW with ``train.lr`` above 0.01 (one line: the papers' AdamW lr is 1e-4 to 4e-4; 0.05, the
-            SGD default, diverges).
+        StageError: AdamW with ``train.lr`` above 0.01 (one line naming what to pass, `ADAMW_RECIPE_ARGS`: the papers'
+            AdamW lr is 1e-4 to 4e-4; 0.05, the SGD default, diverges).
     """
     fam = family_of(cfg.model)
     kind = fam.optimizer if cfg.optimizer == "auto" else cfg.optimizer
     mult = fam.backbone_lr_mult if cfg.backbone_lr_mult is None else cfg.backbone_lr_mult
     if kind == "adamw" and cfg.lr > 0.01:
         raise StageError(f"params.yaml: train.lr={cfg.lr} with AdamW (train.optimizer: {cfg.optimizer}, model "
-                         f"{cfg.model}) diverges: set train.lr: 0.0001 (RT-DETR's and D-FINE's lr; 0.05 is SGD's)")
+                         f"{cfg.model}) diverges: pass {ADAMW_RECIPE_ARGS} (RT-DETRv2's recipe: AdamW lr 1e-4, "
+                         f"backbone 1e-5 = train.backbone_lr_mult 0.1, weight decay 1e-4; 0.05 is SGD's lr)")
     return kind, float(mult), fam.backbone_prefix
 
 
