@@ -62,10 +62,16 @@ def _check_model(model: nn.Module, source: str) -> str:
     return _MODEL_TYPE[CONFIGS[model.detpipe_model_name][0]]
 
 
-def _hub_download(repo_id: str) -> Path:
-    if _USER_OFFLINE:
-        raise StageError(f"{KEY}: '{repo_id}' is a Hugging Face hub id, and HF_HUB_OFFLINE is set: no download "
+def check_hub_offline(source: str) -> None:
+    """Raise the one-line offline error for a hub id when the user set ``HF_HUB_OFFLINE`` (the launcher calls it
+    before any worker starts, `detpipe.launch.jobs.check_inputs`)."""
+    if is_hub_id(source) and _USER_OFFLINE:
+        raise StageError(f"{KEY}: '{source}' is a Hugging Face hub id, and HF_HUB_OFFLINE is set: no download "
                          f"(offline); use a local model folder (config.json + model.safetensors)")
+
+
+def _hub_download(repo_id: str) -> Path:
+    check_hub_offline(repo_id)
     import huggingface_hub
     from huggingface_hub import constants
     saved = constants.HF_HUB_OFFLINE

@@ -104,3 +104,27 @@ def test_torchvision_model_and_offline_hub_id_are_one_line(coco_folder, monkeypa
         load_weights(model, "PekingU/rtdetr_v2_r18vd")
     assert "\n" not in str(e.value)
     assert hf_weights.is_hub_id("ustc-community/dfine-small-coco") and not hf_weights.is_hub_id(str(folder))
+
+
+def test_launcher_refuses_a_hub_id_offline_before_any_worker(tmp_path, monkeypatch):
+    """`check_inputs` (the launcher, before torchrun) gives the same one line for a hub id offline; online it lets
+    the id through to the workers (no 'file not found' for ``owner/name``)."""
+    import json
+
+    from detpipe.launch.jobs import check_inputs
+    from detpipe.params import Train
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data/arrow").mkdir(parents=True)
+    (tmp_path / "data/arrow/meta.json").write_text(json.dumps({"num_classes": 3}))
+    (tmp_path / "data/cache").mkdir(parents=True)
+    (tmp_path / "data/cache/meta.json").write_text(json.dumps(
+        {"resize": "fixed", "size": 320, "masks": False, "splits": {"train": {"rows": 4, "rows_without_masks": 2}}}))
+    cfg = Train(model="rtdetr_v2_tiny", lr=1e-4, weights="PekingU/rtdetr_v2_r18vd")
+    monkeypatch.setattr(hf_weights, "_USER_OFFLINE", True)
+    with pytest.raises(StageError, match=r"'PekingU/rtdetr_v2_r18vd' is a Hugging Face hub id, and HF_HUB_OFFLINE"):
+        check_inputs(cfg)
+    monkeypatch.setattr(hf_weights, "_USER_OFFLINE", False)
+    check_inputs(cfg)
+    with pytest.raises(StageError, match="file 'hf/missing.safetensors' not found"):
+        check_inputs(Train(model="rtdetr_v2_tiny", lr=1e-4, weights="hf/missing.safetensors"))
