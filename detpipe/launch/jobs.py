@@ -34,6 +34,7 @@ def check_inputs(cfg: Train) -> None:
     """
     from detpipe.files import is_url
     from detpipe.models import build_detector
+    from detpipe.models.hf_weights import check_hub_offline, is_hub_id
     from detpipe.warm_start import is_warm_start, materialise_weights, warm_start_path
     from detpipe.paths import CKPT_DIR
 
@@ -41,8 +42,10 @@ def check_inputs(cfg: Train) -> None:
     if is_warm_start(cfg.weights):  # copied before any worker starts (a fresh start deletes checkpoints)
         materialise_weights(cfg.weights, cfg.weights_sha256, warm_start_path(CKPT_DIR), CKPT_DIR)
         return
-    if cfg.weights and not is_url(cfg.weights) and not Path(cfg.weights).exists() and \
-            ("/" in cfg.weights or cfg.weights.endswith((".pt", ".pth"))):
+    if cfg.weights:
+        check_hub_offline(cfg.weights)   # a hub id offline fails here, before torchrun starts
+    if cfg.weights and not is_url(cfg.weights) and not Path(cfg.weights).exists() and not is_hub_id(cfg.weights) \
+            and ("/" in cfg.weights or cfg.weights.endswith((".pt", ".pth", ".safetensors"))):
         raise StageError(f"params.yaml: key 'train.weights': file '{cfg.weights}' not found")
 
 
