@@ -126,7 +126,7 @@ class Augment(_Section):
 
 
 class Train(_Section):
-    model: str = Field(default="ssdlite320_mobilenet_v3_large", description='torchvision detection model builder name (torchvision.models.list_models(torchvision.models.detection)).')
+    model: str = Field(default="ssdlite320_mobilenet_v3_large", description='Detector name: a torchvision detection builder (torchvision.models.list_models(torchvision.models.detection)) or a transformers-family name (rtdetr_v2_r18vd, rtdetr_v2_r34vd, rtdetr_v2_r50vd_m, rtdetr_v2_r50vd, rtdetr_v2_r101vd, dfine_n, dfine_s, dfine_m; rtdetr_v2_tiny / dfine_tiny are small CPU-test configs), docs/train.md "Model families".')
     weights: Optional[str] = Field(default=None, description='Initial state_dict: local path or http(s):// / s3:// URL, a torchvision weights name (online only), exp:<experiment, branch or tag> (its models/model.pt; needs weights_sha256), checkpoint:best or checkpoint:last; null = random init.')
     weights_sha256: Optional[str] = Field(default=None, pattern=r"^[0-9a-f]{64}$", description='Hex sha256 the weights file must have (required for exp:<name>: the pin dvc.lock records); null skips the check.')
     nproc_per_node: int = Field(default=1, ge=1, description='Worker processes per node (one per GPU on CUDA).')
@@ -136,9 +136,11 @@ class Train(_Section):
     batch_size: int = Field(default=16, ge=1, description='Images per process per micro-batch.')
     accumulate: int = Field(default=1, ge=1, description='Micro-batches per optimizer step (gradient accumulation).')
     base_batch_size: Optional[int] = Field(default=None, ge=1, description='If set, lr is scaled by total batch / base_batch_size (linear scaling rule, Goyal et al. 2017).')
-    lr: float = Field(default=0.05, gt=0, description='Peak learning rate of SGD (before scaling).')
+    lr: float = Field(default=0.05, gt=0, description='Peak learning rate of the optimizer (before scaling): 0.05 suits SGD, 0.0001 AdamW (train.optimizer).')
+    optimizer: Literal["auto", "sgd", "adamw"] = Field(default="auto", description="Optimizer: auto (the model family's recipe: sgd for torchvision's models, adamw for the transformers family's RT-DETRv2 / D-FINE), sgd (torch SGD with momentum) or adamw (torch AdamW, betas 0.9/0.999; weight decay exempt for 1-D parameters: norms and biases; needs train.lr <= 0.01, 0.0001 is the papers').")
+    backbone_lr_mult: Optional[float] = Field(default=None, ge=0, description="The backbone's learning rate = lr x this factor; null = the family's (1.0 torchvision, 0.1 transformers as RT-DETR/D-FINE).")
     momentum: float = Field(default=0.9, ge=0, lt=1, description='SGD momentum.')
-    weight_decay: float = Field(default=4e-5, ge=0, description='SGD weight decay (L2).')
+    weight_decay: float = Field(default=4e-5, ge=0, description='Weight decay: SGD L2 on every parameter; AdamW decoupled, on parameters of 2+ dimensions only (train.optimizer).')
     schedule: Literal["cosine", "multistep"] = Field(default="cosine", description='LR schedule after linear warmup, per iteration: cosine or multistep.')
     milestones: list[float] = Field(default_factory=lambda: [0.67, 0.89], description='multistep: increasing fractions of training in (0, 1) where lr *= gamma.')
     gamma: float = Field(default=0.1, gt=0, le=1, description='multistep: factor applied at each milestone.')

@@ -531,10 +531,11 @@ def collate(batch: list[tuple[torch.Tensor, dict]]) -> tuple[list[torch.Tensor],
 
 
 def uses_masks(model: torch.nn.Module) -> bool:
-    """Whether a torchvision detection model trains on and predicts instance masks (Mask R-CNN: its
-    ``roi_heads`` has a mask head, ``RoIHeads.has_mask()``); such a model needs ``with_masks=True`` data."""
-    heads = getattr(model, "roi_heads", None)
-    return bool(heads is not None and hasattr(heads, "has_mask") and heads.has_mask())
+    """Whether a detection model trains on and predicts instance masks, as its family says
+    (`detpipe.models.family.Family.uses_masks`: torchvision's Mask R-CNN, whose ``roi_heads`` has a mask head);
+    such a model needs ``with_masks=True`` data."""
+    from detpipe.models.family import family_of_model
+    return bool(family_of_model(model).uses_masks(model))
 
 
 def check_cache_masks(cache_meta: dict, model_name: str, where: str = "data/cache/meta.json") -> None:

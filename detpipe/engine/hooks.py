@@ -70,8 +70,8 @@ class LRScheduleHook(HookBase):
         return lr_factor(it, self.trainer.max_iter, self.warmup_iters, self.schedule, self.milestones, self.gamma)
 
     def before_train(self) -> None:
-        for g in self.optimizer.param_groups:
-            g["initial_lr"] = self.base_lr
+        for g in self.optimizer.param_groups:   # lr_mult: the group's factor (backbone lr, `make_optimizer`)
+            g["initial_lr"] = self.base_lr * g.get("lr_mult", 1.0)
         # LambdaLR sets lr = initial_lr * _factor(it) = base_lr * lr_factor(it, ...), one float product: the rates
         # are bit-identical to setting that product by hand. last_epoch = start_iter - 1: its constructor steps
         # once, to start_iter.

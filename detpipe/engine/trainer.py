@@ -164,7 +164,7 @@ class Trainer(TrainerBase):
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         for g in self.optimizer.param_groups:  # a schedule key: a continuation takes this run's (lr: LRScheduleHook)
-            g["weight_decay"] = self.cfg.weight_decay
+            g["weight_decay"] = self.cfg.weight_decay if g.get("decay", True) else 0.0
         self.scaler.load_state_dict(state["scaler"])
         self.storage.load_state_dict(state["storage"])
         self.load_hooks_state(state["hooks"])
@@ -236,8 +236,7 @@ def build_trainer(cfg: params_mod.Train, cache_dir: Path = CACHE_DIR, arrow_meta
     lr = cfg.lr
     if cfg.base_batch_size:  # linear scaling rule (Goyal et al. 2017, arXiv:1706.02677)
         lr = cfg.lr * cfg.batch_size * world * cfg.accumulate / cfg.base_batch_size
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    optimizer = make_optimizer(model, cfg, lr)
     dataset = CachedDetectionDataset(cache_root, "train", hflip=cfg.hflip, seed=cfg.seed,
                                      with_masks=uses_masks(model))
     recipe = resolve_augment(cfg)  # train.augment: the preset and its keys (docs/augment.md)
@@ -257,6 +256,41 @@ def build_trainer(cfg: params_mod.Train, cache_dir: Path = CACHE_DIR, arrow_meta
     hooks += extra_hooks
     fp = fingerprint(cfg, cache_meta_bytes, Path(arrow_meta).read_bytes())
     return Trainer(model, optimizer, dataset, cfg, device, rank, world, config=config, fingerprint=fp, hooks=hooks)
+
+
+def make_optimizer(model: torch.nn.Module, cfg: params_mod.Train, lr: float) -> torch.optim.Optimizer:
+    """The optimizer of ``train.optimizer`` (``auto``: the model family's recipe, `detpipe.models.optimizer_recipe`).
+
+    ``sgd`` with the family's backbone lr multiplier 1: one group, every trainable parameter, torch's SGD with
+    ``train.momentum`` and ``train.weight_decay`` (torchvision's references/detection, the default run's optimizer).
+    Otherwise up to four groups: backbone / rest x decayed / not decayed. Parameters of at most one dimension (norm
+    weights, biases, the DETRs' query embeddings' 1-D terms) get no weight decay, as RT-DETR's and D-FINE's recipes
+    (``weight_decay: 0`` for ``norm`` and ``bias`` parameters); the backbone's (the family's ``backbone_prefix``)
+    run at ``lr x train.backbone_lr_mult``. ``adamw`` is torch's AdamW with betas (0.9, 0.999), RT-DETR's.
+    Every group carries ``lr_mult`` (`LRScheduleHook` multiplies the scheduled lr by it) and ``decay`` (whether
+    ``train.weight_decay`` applies: a resumed optimizer's groups take this run's value, `Trainer.load_checkpoint_state`).
+
+    Args:
+        model: the unwrapped detector (before DDP).
+        cfg: train params (``optimizer``, ``backbone_lr_mult``, ``momentum``, ``weight_decay``, ``model``).
+        lr: the peak learning rate (``train.lr``, scaled by ``base_batch_size`` when set).
+    """
+    from detpipe.models import optimizer_recipe
+    kind, mult, prefix = optimizer_recipe(cfg)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if kind == "sgd" and mult == 1.0:
+        group = {"params": [p for _, p in named], "lr_mult": 1.0, "decay": True}
+        return torch.optim.SGD([group], lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    groups = []
+    for backbone in (True, False):
+        for decay in (True, False):
+            ps = [p for n, p in named if n.startswith(prefix) == backbone and (p.ndim > 1) == decay]
+            if ps:
+                groups.append({"params": ps, "lr_mult": mult if backbone else 1.0, "decay": decay,
+                               "weight_decay": cfg.weight_decay if decay else 0.0, "lr": lr * (mult if backbone else 1.0)})
+    if kind == "sgd":
+        return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum)
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.999))
 
 
 def train(cfg: params_mod.Train, cache_dir: Path = CACHE_DIR, arrow_meta: Path = ARROW_META,

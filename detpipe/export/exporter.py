@@ -36,22 +36,26 @@ DET_NAMES = ("boxes", "scores", "labels")
 
 
 def raw_taps(model: torch.nn.Module) -> list[str]:
-    """Dotted paths of the submodules whose outputs are the pre-NMS raw outputs: ``["rpn.head"]`` for
-    torchvision's R-CNN models (``model.rpn``), ``["head"]`` for SSD/SSDlite/RetinaNet/FCOS; ``[]`` otherwise."""
-    if hasattr(model, "rpn") and hasattr(model.rpn, "head"):
-        return ["rpn.head"]
-    return ["head"] if isinstance(getattr(model, "head", None), torch.nn.Module) else []
+    """Dotted paths of the submodules whose outputs are the pre-NMS raw outputs, as the model's family declares
+    (`detpipe.models.family.Family.raw_taps`): torchvision ``["rpn.head"]`` for R-CNN models, ``["head"]`` for
+    SSD/SSDlite/RetinaNet/FCOS; transformers ``["raw"]`` (logits and normalized boxes of every query); ``[]``
+    otherwise."""
+    from detpipe.models.family import family_of_model
+    return list(family_of_model(model).raw_taps(model))
 
 
 TORCH_EXPORT_UNSUPPORTED = ("torch.export cannot trace torchvision's R-CNN models (their RPN and ROI heads size "
-                            "tensors from data-dependent counts); use the ONNX file")
+                            "tensors from data-dependent counts) nor the transformers family's DETRs here; use the "
+                            "ONNX file")
 
 
 def torch_export_supported(model: torch.nn.Module) -> bool:
-    """Whether `export_program` can trace ``model``: SSD/SSDlite, RetinaNet, FCOS yes; torchvision's R-CNN models
-    (Faster/Mask/Keypoint R-CNN) no (torch 2.14 / torchvision 0.29: ``GuardOnDataDependentSymNode`` in their
-    proposal filtering, `TORCH_EXPORT_UNSUPPORTED`)."""
-    return raw_taps(model) != ["rpn.head"]
+    """Whether `export_program` can trace ``model``, as its family declares
+    (`detpipe.models.family.Family.torch_export_supported`): SSD/SSDlite, RetinaNet, FCOS yes; torchvision's R-CNN
+    models (Faster/Mask/Keypoint R-CNN) no (torch 2.14 / torchvision 0.29: ``GuardOnDataDependentSymNode`` in their
+    proposal filtering, `TORCH_EXPORT_UNSUPPORTED`); the transformers family no (not checked in this version)."""
+    from detpipe.models.family import family_of_model
+    return bool(family_of_model(model).torch_export_supported(model))
 
 
 def _flatten(prefix: str, value) -> list[tuple[str, torch.Tensor]]:

@@ -1,4 +1,5 @@
-"""Build torchvision detection models by name (the train stage's detector sized for its cache: `build_detector`)
+"""Build detection models by name (one module per model library, a `detpipe.models.family.Family` each:
+`detpipe.models.torchvision_family`, `detpipe.models.transformers_family`) (the train stage's detector sized for its cache: `build_detector`)
 and load weights from a path, URL or torchvision name.
 
 Both sides of the train stage's process boundary use `build_detector`: every worker builds the model it trains, the
@@ -19,6 +20,8 @@ import torch
 import torchvision
 from torch import nn
 
+from detpipe.models.family import Family, family_of, family_of_model  # noqa: F401  (public here)
+
 from detpipe.errors import StageError
 from detpipe.files import is_url, read_url_bytes
 from detpipe.paths import ARROW_META, CACHE_DIR, MODEL
@@ -30,26 +33,28 @@ log = logging.getLogger("detpipe.models")
 
 
 def detection_model_names() -> list[str]:
-    """Names torchvision's ``get_model`` builds in ``torchvision.models.detection`` (sorted)."""
-    return sorted(torchvision.models.list_models(module=torchvision.models.detection))
+    """Every ``train.model`` name: torchvision's detection builders and the transformers family's (sorted)."""
+    return all_model_names()
+
+
+def all_model_names() -> list[str]:
+    """Every ``train.model`` name of every family (sorted)."""
+    from detpipe.models.family import _load
+    return sorted({n for fam in _load() for n in fam.names()})
 
 
 def build_model(name: str, num_classes: int, **kwargs) -> nn.Module:
-    """``torchvision.models.get_model(name, weights=None, weights_backbone=None, num_classes=...)``.
+    """The untrained model ``name`` of its family (`family_of`), random init, nothing downloaded.
 
     Args:
-        name: a torchvision detection builder, e.g. ``ssdlite320_mobilenet_v3_large``, ``fasterrcnn_resnet50_fpn``.
+        name: a torchvision detection builder (``ssdlite320_mobilenet_v3_large``, ``fasterrcnn_resnet50_fpn``) or a
+            transformers-family name (``rtdetr_v2_r18vd``, ``dfine_n``: `detpipe.models.transformers_family`).
         num_classes: number of classes including background (label 0).
-        kwargs: passed to the builder (e.g. ``min_size``, ``max_size`` for R-CNN, RetinaNet, FCOS).
+        kwargs: the family's builder kwargs (`model_kwargs`).
     Raises:
         StageError: unknown model name (the message lists the valid ones).
     """
-    names = detection_model_names()
-    if name not in names:
-        raise StageError(f"params.yaml: key 'train.model': unknown model '{name}'; torchvision detection "
-                         f"models are: {', '.join(names)}")
-    return torchvision.models.get_model(name, weights=None, weights_backbone=None,
-                                        num_classes=num_classes, **kwargs)
+    return family_of(name).build(name, num_classes, **kwargs)
 
 
 def _read_weights_bytes(source: str, sha256: str | None) -> bytes:
@@ -137,29 +142,40 @@ def load_model(path: Path | str = MODEL, device: torch.device | str = "cpu") -> 
 
 
 def model_kwargs(name: str, cache_meta: dict) -> dict:
-    """Builder kwargs so the model's own transform keeps the cached size (no second resize).
+    """Builder kwargs so the model takes the cached size (no second resize): the family's sizing rule
+    (`detpipe.models.family.Family.model_kwargs`).
 
-    SSD/SSDlite resize to a fixed size set by the builder: the cache must be ``fixed`` at that size.
-    The others (R-CNN, RetinaNet, FCOS) get ``min_size``/``max_size`` from the cache's resize settings.
+    torchvision: ``{}`` for SSD models (the cache must be ``fixed`` at the builder's size), else
+    ``{"min_size": int, "max_size": int}`` (pixels) from the cache's resize settings. transformers:
+    ``{"size": int}`` (a ``fixed`` cache, a multiple of 32 pixels).
 
     Args:
-        name: the torchvision builder (``train.model``).
+        name: ``train.model``.
         cache_meta: the augmentation cache's ``meta.json`` as a dict (``resize``, ``size``, ``min_size``,
             ``max_size``; sizes in pixels).
-    Returns:
-        ``{}`` for SSD models, else ``{"min_size": int, "max_size": int}`` (pixels).
     Raises:
-        StageError: an SSD model with a cache of another size or mode.
+        StageError: a cache of a size or mode the model cannot take (one line naming augment.resize/size).
     """
-    if name.startswith("ssd"):
-        native = 320 if name.startswith("ssdlite320") else 300 if name.startswith("ssd300") else None
-        if cache_meta["resize"] != "fixed" or (native and cache_meta["size"] != native):
-            raise StageError(f"params.yaml: {name} resizes images to {native}x{native}; set augment.resize: fixed "
-                             f"and augment.size: {native} (cache has {cache_meta['resize']} {cache_meta['size']})")
-        return {}
-    if cache_meta["resize"] == "fixed":
-        return {"min_size": cache_meta["size"], "max_size": cache_meta["size"]}
-    return {"min_size": cache_meta["min_size"], "max_size": cache_meta["max_size"]}
+    return family_of(name).model_kwargs(name, cache_meta)
+
+
+def optimizer_recipe(cfg: Train) -> tuple[str, float, str]:
+    """``(kind, backbone lr multiplier, backbone parameter prefix)`` for ``cfg``: ``train.optimizer`` (``auto``: the
+    family's, `detpipe.models.family.Family.optimizer`: ``sgd`` for torchvision, ``adamw`` for transformers) and
+    ``train.backbone_lr_mult`` (null: the family's, 1.0 for torchvision, 0.1 for transformers as RT-DETR's and
+    D-FINE's configs).
+
+    Raises:
+        StageError: AdamW with ``train.lr`` above 0.01 (one line: the papers' AdamW lr is 1e-4 to 4e-4; 0.05, the
+            SGD default, diverges).
+    """
+    fam = family_of(cfg.model)
+    kind = fam.optimizer if cfg.optimizer == "auto" else cfg.optimizer
+    mult = fam.backbone_lr_mult if cfg.backbone_lr_mult is None else cfg.backbone_lr_mult
+    if kind == "adamw" and cfg.lr > 0.01:
+        raise StageError(f"params.yaml: train.lr={cfg.lr} with AdamW (train.optimizer: {cfg.optimizer}, model "
+                         f"{cfg.model}) diverges: set train.lr: 0.0001 (RT-DETR's and D-FINE's lr; 0.05 is SGD's)")
+    return kind, float(mult), fam.backbone_prefix
 
 
 def build_detector(cfg: Train, arrow_meta: Path = ARROW_META, cache_dir: Path = CACHE_DIR,
@@ -187,6 +203,7 @@ def build_detector(cfg: Train, arrow_meta: Path = ARROW_META, cache_dir: Path = 
     cache_root = cfg.cache_url or str(cache_dir)
     cache_meta_bytes = read_cache_meta_bytes(cache_root)
     cache_meta = json.loads(cache_meta_bytes)
+    optimizer_recipe(cfg)  # an unusable optimizer choice fails here, in the launcher, before any worker starts
     config = model_config(cfg.model, int(meta["num_classes"]), **model_kwargs(cfg.model, cache_meta))
     with torch.device(device) if device is not None else contextlib.nullcontext():
         model = build_from_config(config)
