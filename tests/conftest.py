@@ -151,14 +151,16 @@ for _name, _build in (("learns_prepared", _learns_prepared), ("fitted_workdir", 
                       ("prefect_api", _prefect_api), ("s3_server", _s3_server)):
     prebuild.register(_name, _build, shared=_name not in ("prefect_api", "s3_server"))     # servers: per process
 # Built in the background in this order when a selected test uses them: the order of first need in a full run
-# (`RUN_LATE` included): trained_workdir (test_evaluate), reproduced_repo (test_export), the learns trainings
+# (`RUN_LATE` included): trained_workdir (test_evaluate), reproduced_repo (test_export), learns_detr_prepared
+# (test_train's RT-DETR kill -9 resume; it builds learns_prepared first, 2 short stages each), the learns trainings
 # (test_learns, test_predict, test_serve), two_rank_workdir (test_cluster, test_distributed, test_elastic), prefect_api
 # (test_cluster), killed_run (test_flows), workers_team (test_workers comes last); then any other registered build.
 # The test modules register their own (test_flows' killed_run, test_workers' workers_team, test_learns' trainings on
 # corrupted caches). The session fixtures the first test files need at once (cached_workdir, s3_server) are built
 # by those tests, never queued.
-PREBUILT = ("trained_workdir", "reproduced_repo", "fitted_workdir", "learns[labels+1]", "learns[boxes*2]",
-            "fitted_detr_workdir", "learns_detr[labels+1]", "two_rank_workdir", "prefect_api", "killed_run", "workers_team")
+PREBUILT = ("trained_workdir", "reproduced_repo", "learns_detr_prepared", "fitted_workdir", "learns[labels+1]",
+            "learns[boxes*2]", "fitted_detr_workdir", "learns_detr[labels+1]", "two_rank_workdir", "prefect_api",
+            "killed_run", "workers_team")
 BUILT_FIRST_BY_TESTS = ("cached_workdir", "s3_server")
 # Modules run after the other tests of their level (tests/unit, tests/stages, tests/system: pyproject's testpaths),
 # because their session fixtures are the longest background builds (three 150-iteration trainings, about 6 min of

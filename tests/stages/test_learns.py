@@ -96,7 +96,8 @@ def test_detector_fits_a_handful_of_images(request, learns_broken, broken):
 
 
 # The transformers family (RT-DETRv2, `support.pipeline.LEARNS_DETR`: rtdetr_v2_tiny at 128 px, 200 AdamW
-# iterations). Measured (docs/train.md, "Proof the new family learns"): clean AP50 1.000 / AP 0.877; labels+1 AP50 0.275 / AP 0.220.
+# iterations). Measured (docs/train.md, "Proof the new family learns"): clean AP50 1.000 / AP 0.877; labels+1
+# AP50 0.275 / AP 0.220.
 DETR_AP50_MIN = 0.9
 
 
