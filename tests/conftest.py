@@ -144,8 +144,25 @@ def _fitted_detr_workdir(factory) -> Path:
     return work
 
 
+def _learns_dfine_prepared(factory) -> Path:
+    from support.pipeline import LEARNS_DFINE, make_learns_detr_workdir
+
+    return make_learns_detr_workdir(prebuild.get("learns_prepared"), factory.mktemp("learns_dfine") / "w",
+                                    LEARNS_DFINE)
+
+
+def _fitted_dfine_workdir(factory) -> Path:
+    work = factory.mktemp("fitted_dfine") / "w"
+    shutil.copytree(prebuild.get("learns_dfine_prepared"), work)
+    stage_cli("train", work, timeout=1800)
+    stage_cli("evaluate", work)
+    return work
+
+
 for _name, _build in (("learns_prepared", _learns_prepared), ("fitted_workdir", _fitted_workdir),
                       ("learns_detr_prepared", _learns_detr_prepared), ("fitted_detr_workdir", _fitted_detr_workdir),
+                      ("learns_dfine_prepared", _learns_dfine_prepared),
+                      ("fitted_dfine_workdir", _fitted_dfine_workdir),
                       ("cached_workdir", _cached_workdir), ("trained_workdir", _trained_workdir),
                       ("two_rank_workdir", _two_rank_workdir), ("reproduced_repo", _reproduced_repo),
                       ("prefect_api", _prefect_api), ("s3_server", _s3_server)):
@@ -159,7 +176,8 @@ for _name, _build in (("learns_prepared", _learns_prepared), ("fitted_workdir", 
 # corrupted caches). The session fixtures the first test files need at once (cached_workdir, s3_server) are built
 # by those tests, never queued.
 PREBUILT = ("trained_workdir", "reproduced_repo", "learns_detr_prepared", "fitted_workdir", "learns[labels+1]",
-            "learns[boxes*2]", "fitted_detr_workdir", "learns_detr[labels+1]", "two_rank_workdir", "prefect_api",
+            "learns[boxes*2]", "fitted_detr_workdir", "learns_detr[labels+1]", "fitted_dfine_workdir",
+            "learns_dfine[labels+1]", "two_rank_workdir", "prefect_api",
             "killed_run", "workers_team")
 BUILT_FIRST_BY_TESTS = ("cached_workdir", "s3_server")
 # Modules run after the other tests of their level (tests/unit, tests/stages, tests/system: pyproject's testpaths),
@@ -320,3 +338,10 @@ def fitted_detr_workdir(tmp_path_factory) -> Path:
     iterations: rtdetr_v2_tiny fits the 4 images, see tests/stages/test_learns.py) and evaluate stages. Tests must
     not modify it: copy it."""
     return prebuild.get("fitted_detr_workdir")
+
+
+@pytest.fixture(scope="session")
+def fitted_dfine_workdir(tmp_path_factory) -> Path:
+    """`learns_prepared` with `support.pipeline.LEARNS_DFINE`'s params (dfine_tiny, 192 px) after the real augment,
+    train and evaluate stages (see tests/stages/test_learns.py). Tests must not modify it."""
+    return prebuild.get("fitted_dfine_workdir")

@@ -168,11 +168,19 @@ LEARNS_DETR = {"augment": {"size": 128},
                          "checkpoint_every": LEARNS_DETR_ITERATIONS, "log_every": LEARNS_DETR_ITERATIONS}}
 
 
-def make_learns_detr_workdir(prepared: Path, work: Path) -> Path:
-    """A copy of ``prepared`` (`make_learns_workdir` after convert and augment) with `LEARNS_DETR`'s params, its
-    cache rebuilt at their size by the real augment stage. Returns ``work``."""
+# D-FINE (`dfine_tiny`: its two feature levels are 1/16 and 1/32 of the input, so it needs more pixels): 192 px,
+# 300 iterations at lr 0.003. Measured: clean AP50 1.000 / AP 0.777, labels+1 AP50 0.209 / AP 0.137.
+LEARNS_DFINE_ITERATIONS = 300
+LEARNS_DFINE = {"augment": {"size": 192},
+                "train": {**LEARNS_DETR["train"], "model": "dfine_tiny", "epochs": LEARNS_DFINE_ITERATIONS, "lr": 0.003,
+                          "checkpoint_every": LEARNS_DFINE_ITERATIONS, "log_every": LEARNS_DFINE_ITERATIONS}}
+
+
+def make_learns_detr_workdir(prepared: Path, work: Path, params: dict | None = None) -> Path:
+    """A copy of ``prepared`` (`make_learns_workdir` after convert and augment) with ``params`` (default
+    `LEARNS_DETR`), its cache rebuilt at their size by the real augment stage. Returns ``work``."""
     shutil.copytree(prepared, work)
-    set_params(work, LEARNS_DETR)
+    set_params(work, params or LEARNS_DETR)
     stage_cli("augment", work)
     return work
 
