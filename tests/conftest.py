@@ -8,7 +8,8 @@ another). What is expensive is built once per test run and reused:
   (`support.repos.clone_with_cache`), so each stage's real run through DVC is proven once;
 * ``s3_server``: SeaweedFS S3; ``prefect_api``: one Prefect server for every Prefect test;
 * ``learns_prepared`` / ``fitted_workdir``: the learns test's 4 images, and the detector that fits them;
-  ``learns_detr_prepared`` / ``fitted_detr_workdir``: the same at 128 px, and ``rtdetr_v2_tiny`` fitting them.
+  ``learns_detr_prepared`` / ``fitted_detr_workdir``: the same at 128 px, and ``rtdetr_v2_tiny`` fitting them;
+  ``fitted_dfine_workdir``: ``dfine_tiny`` fitting them at 192 px.
 
 The session fixtures in `PREBUILT` that the selected tests use are built ahead of need, one at a time, by a
 background thread while the first tests run (`support.prebuild`). Under pytest-xdist (``-n 2``, README command 2)
