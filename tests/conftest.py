@@ -7,7 +7,9 @@ another). What is expensive is built once per test run and reused:
   images, tiny params): every test that needs pipeline outputs in a repository starts from a copy of it
   (`support.repos.clone_with_cache`), so each stage's real run through DVC is proven once;
 * ``s3_server``: SeaweedFS S3; ``prefect_api``: one Prefect server for every Prefect test;
-* ``learns_prepared`` / ``fitted_workdir``: the learns test's 4 images, and the detector that fits them.
+* ``learns_prepared`` / ``fitted_workdir``: the learns test's 4 images, and the detector that fits them;
+  ``learns_detr_prepared`` / ``fitted_detr_workdir``: the same at 128 px, and ``rtdetr_v2_tiny`` fitting them;
+  ``fitted_dfine_workdir``: ``dfine_tiny`` fitting them at 192 px.
 
 The session fixtures in `PREBUILT` that the selected tests use are built ahead of need, one at a time, by a
 background thread while the first tests run (`support.prebuild`). Under pytest-xdist (``-n 2``, README command 2)
@@ -129,27 +131,62 @@ def _fitted_workdir(factory) -> Path:
     return work
 
 
+def _learns_detr_prepared(factory) -> Path:
+    from support.pipeline import make_learns_detr_workdir
+
+    return make_learns_detr_workdir(prebuild.get("learns_prepared"), factory.mktemp("learns_detr") / "w")
+
+
+def _fitted_detr_workdir(factory) -> Path:
+    work = factory.mktemp("fitted_detr") / "w"
+    shutil.copytree(prebuild.get("learns_detr_prepared"), work)
+    stage_cli("train", work, timeout=1800)
+    stage_cli("evaluate", work)
+    return work
+
+
+def _learns_dfine_prepared(factory) -> Path:
+    from support.pipeline import LEARNS_DFINE, make_learns_detr_workdir
+
+    return make_learns_detr_workdir(prebuild.get("learns_prepared"), factory.mktemp("learns_dfine") / "w",
+                                    LEARNS_DFINE)
+
+
+def _fitted_dfine_workdir(factory) -> Path:
+    work = factory.mktemp("fitted_dfine") / "w"
+    shutil.copytree(prebuild.get("learns_dfine_prepared"), work)
+    stage_cli("train", work, timeout=1800)
+    stage_cli("evaluate", work)
+    return work
+
+
 for _name, _build in (("learns_prepared", _learns_prepared), ("fitted_workdir", _fitted_workdir),
+                      ("learns_detr_prepared", _learns_detr_prepared), ("fitted_detr_workdir", _fitted_detr_workdir),
+                      ("learns_dfine_prepared", _learns_dfine_prepared),
+                      ("fitted_dfine_workdir", _fitted_dfine_workdir),
                       ("cached_workdir", _cached_workdir), ("trained_workdir", _trained_workdir),
                       ("two_rank_workdir", _two_rank_workdir), ("reproduced_repo", _reproduced_repo),
                       ("prefect_api", _prefect_api), ("s3_server", _s3_server)):
     prebuild.register(_name, _build, shared=_name not in ("prefect_api", "s3_server"))     # servers: per process
 # Built in the background in this order when a selected test uses them: the order of first need in a full run
-# (`RUN_LATE` included): trained_workdir (test_evaluate), reproduced_repo (test_export), the learns trainings
+# (`RUN_LATE` included): trained_workdir (test_evaluate), reproduced_repo (test_export), learns_detr_prepared
+# (test_train's RT-DETR kill -9 resume; it builds learns_prepared first, 2 short stages each), the learns trainings
 # (test_learns, test_predict, test_serve), two_rank_workdir (test_cluster, test_distributed, test_elastic), prefect_api
 # (test_cluster), killed_run (test_flows), workers_team (test_workers comes last); then any other registered build.
 # The test modules register their own (test_flows' killed_run, test_workers' workers_team, test_learns' trainings on
 # corrupted caches). The session fixtures the first test files need at once (cached_workdir, s3_server) are built
 # by those tests, never queued.
-PREBUILT = ("trained_workdir", "reproduced_repo", "fitted_workdir", "learns[labels+1]", "learns[boxes*2]",
-            "two_rank_workdir", "prefect_api", "killed_run", "workers_team")
+PREBUILT = ("trained_workdir", "reproduced_repo", "learns_detr_prepared", "fitted_workdir", "learns[labels+1]",
+            "learns[boxes*2]", "fitted_detr_workdir", "learns_detr[labels+1]", "fitted_dfine_workdir",
+            "learns_dfine[labels+1]", "two_rank_workdir", "prefect_api",
+            "killed_run", "workers_team")
 BUILT_FIRST_BY_TESTS = ("cached_workdir", "s3_server")
 # Modules run after the other tests of their level (tests/unit, tests/stages, tests/system: pyproject's testpaths),
 # because their session fixtures are the longest background builds (three 150-iteration trainings, about 6 min of
 # one core): in file order test_learns came 4 min into the run and waited for them with the other core idle.
-# test_export_formats and test_serve use fitted_workdir too.
+# test_export_formats and test_serve use fitted_workdir too; test_transformers_e2e fitted_detr_workdir.
 RUN_LATE = ("tests/stages/test_learns.py", "tests/stages/test_predict.py", "tests/stages/test_export_formats.py",
-            "tests/stages/test_serve.py")
+            "tests/stages/test_serve.py", "tests/stages/test_transformers_e2e.py")
 
 
 # Under pytest-xdist (README: ``-n 2``) each test module is one unit of work, sent whole to one worker (its module
@@ -287,3 +324,25 @@ def fitted_workdir(tmp_path_factory) -> Path:
     tests/stages/test_learns.py) and evaluate stages: ``models/model.pt``, ``metrics/eval.json``. Tests must not modify
     it: copy it (a few MB)."""
     return prebuild.get("fitted_workdir")
+
+
+@pytest.fixture(scope="session")
+def learns_detr_prepared(tmp_path_factory) -> Path:
+    """`learns_prepared` with `support.pipeline.LEARNS_DETR`'s params (rtdetr_v2_tiny), its cache rebuilt at 128 px
+    by the real augment stage. Tests must not modify it."""
+    return prebuild.get("learns_detr_prepared")
+
+
+@pytest.fixture(scope="session")
+def fitted_detr_workdir(tmp_path_factory) -> Path:
+    """A copy of `learns_detr_prepared` after the real train (`support.pipeline.LEARNS_DETR_ITERATIONS` AdamW
+    iterations: rtdetr_v2_tiny fits the 4 images, see tests/stages/test_learns.py) and evaluate stages. Tests must
+    not modify it: copy it."""
+    return prebuild.get("fitted_detr_workdir")
+
+
+@pytest.fixture(scope="session")
+def fitted_dfine_workdir(tmp_path_factory) -> Path:
+    """`learns_prepared` with `support.pipeline.LEARNS_DFINE`'s params (dfine_tiny, 192 px) after the real augment,
+    train and evaluate stages (see tests/stages/test_learns.py). Tests must not modify it."""
+    return prebuild.get("fitted_dfine_workdir")

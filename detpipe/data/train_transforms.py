@@ -130,14 +130,12 @@ TUNABLE = ("photometric", "zoom_out", "iou_crop", "scale", "translate", "mosaic"
 
 
 def default_augment(model_name: str) -> str:
-    """The preset ``train.augment: auto`` means for ``model_name``: the rule is ``ssd*`` (SSD, SSDlite) -> ``ssd``;
-    names starting ``rtdetr``, ``dfine`` or ``deim`` (DETR family) -> ``detr``; every other model -> ``flip``."""
-    name = model_name.lower()
-    if name.startswith("ssd"):
-        return "ssd"
-    if name.startswith(("rtdetr", "dfine", "deim")):
-        return "detr"
-    return "flip"
+    """The preset ``train.augment: auto`` means for ``model_name``: what its model family declares
+    (`detpipe.models.family.Family.default_augment`: SSD and SSDlite ``ssd``, the transformers DETRs ``detr``, the
+    other torchvision models ``flip``)."""
+    from detpipe.models.family import family_of
+
+    return family_of(model_name).default_augment(model_name)
 
 
 def resolve(cfg) -> Recipe:

@@ -107,7 +107,12 @@ class Trainer(TrainerBase):
                                        self.cfg.batch_size, self.cfg.accumulate, self.cfg.num_workers,
                                        pin_memory=self.device.type == "cuda", local_dir=self.cfg.cache_local_dir,
                                        local_bytes=self.cfg.cache_local_bytes, decode_device=self.device)
-        micro = next(self._data)
+        # Loading leaves torch's global RNG as it was: the DataLoader draws its base seed from it when its iterator
+        # starts (at the first batch of a fresh run, but after the RNG states were restored in a resumed one), and
+        # the transforms seed their own. The global RNG is then the model's alone (RT-DETR's and D-FINE's
+        # denoising queries), which a resumed run continues exactly from the checkpoint's state.
+        with torch.random.fork_rng(devices=[]):
+            micro = next(self._data)
         record_samples(self.iter, self.plan.locate(self.iter)[0], self.rank, self.world_size, micro)
         data_time = time.perf_counter() - t0
         self.loaded(micro)

@@ -95,6 +95,92 @@ def test_detector_fits_a_handful_of_images(request, learns_broken, broken):
         assert ap50 < AP50_MIN or ap < AP_MIN, f"trained on a {broken} cache, AP50 {ap50:.3f} / AP {ap:.3f} still pass"
 
 
+# The transformers family (RT-DETRv2, `support.pipeline.LEARNS_DETR`: rtdetr_v2_tiny at 128 px, 200 AdamW
+# iterations). Measured (docs/train.md, "Proof the new family learns"): clean AP50 1.000 / AP 0.877; labels+1
+# AP50 0.275 / AP 0.220.
+DETR_AP50_MIN = 0.9
+
+
+def _detr_trained_on_broken_cache(factory):
+    """`learns_detr_prepared` copied, its training cache's labels shifted by one class (`corrupt_train_cache`),
+    trained and evaluated by the real stages."""
+    work = factory.mktemp("learns_detr_broken") / "w"
+    shutil.copytree(prebuild.get("learns_detr_prepared"), work)
+    corrupt_train_cache(work, "labels+1")
+    stage_cli("train", work, timeout=1800)
+    stage_cli("evaluate", work)
+    return work
+
+
+prebuild.register("learns_detr[labels+1]", _detr_trained_on_broken_cache, fixture="learns_detr_broken")
+
+
+def _dfine_trained_on_broken_cache(factory):
+    """As `_detr_trained_on_broken_cache`, for D-FINE (`support.pipeline.LEARNS_DFINE`)."""
+    from support.pipeline import LEARNS_DFINE, make_learns_detr_workdir
+
+    work = make_learns_detr_workdir(prebuild.get("learns_prepared"), factory.mktemp("learns_dfine_broken") / "w",
+                                    LEARNS_DFINE)
+    corrupt_train_cache(work, "labels+1")
+    stage_cli("train", work, timeout=1800)
+    stage_cli("evaluate", work)
+    return work
+
+
+prebuild.register("learns_dfine[labels+1]", _dfine_trained_on_broken_cache, fixture="learns_dfine_broken")
+
+
+@pytest.fixture(scope="module")
+def learns_dfine_broken(learns_prepared):
+    """The work directory of `_dfine_trained_on_broken_cache` (built in the background, or on first use)."""
+    return prebuild.get("learns_dfine[labels+1]")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("broken", [None, "labels+1"])
+def test_dfine_fits_a_handful_of_images(request, broken):
+    """D-FINE (dfine_tiny, random init, 192 px, `support.pipeline.LEARNS_DFINE`) fits the 4 images: the evaluate
+    stage's AP50 >= DETR_AP50_MIN; with the training cache's labels shifted by one class it stays below."""
+    import torch
+
+    work = request.getfixturevalue("fitted_dfine_workdir" if broken is None else "learns_dfine_broken")
+    metrics = json.loads((work / "metrics" / "eval.json").read_text())
+    ap50, ap = metrics["bbox"]["AP50"], metrics["bbox"]["AP"]
+    print(f"dfine_tiny {broken or 'clean'}: AP50 {ap50:.3f}, AP {ap:.3f}")
+    assert metrics["num_images"] == len(LEARNS_IMAGE_IDS) and np.isfinite(ap50)
+    assert torch.load(work / "models" / "model.pt", weights_only=True)["config"]["name"] == "dfine_tiny"
+    if broken is None:
+        assert ap50 >= DETR_AP50_MIN, f"dfine_tiny did not fit {len(LEARNS_IMAGE_IDS)} images: AP50 {ap50:.3f}"
+    else:
+        assert ap50 < DETR_AP50_MIN, f"trained on a {broken} cache, AP50 {ap50:.3f} still passes"
+
+
+@pytest.fixture(scope="module")
+def learns_detr_broken(learns_detr_prepared):
+    """The work directory of `_detr_trained_on_broken_cache` (built in the background, or on first use)."""
+    return prebuild.get("learns_detr[labels+1]")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("broken", [None, "labels+1"])
+def test_rtdetr_fits_a_handful_of_images(request, broken):
+    """RT-DETRv2 (rtdetr_v2_tiny, random init) trained by the real train stage on the 4 images at 128 px fits them:
+    the evaluate stage's AP50 >= DETR_AP50_MIN; trained on the same cache with its labels shifted by one class, it
+    stays below. The clean case is the session fixture `fitted_detr_workdir` (tests/stages/test_transformers_e2e.py
+    exports, predicts and serves it)."""
+    work = request.getfixturevalue("fitted_detr_workdir" if broken is None else "learns_detr_broken")
+    metrics = json.loads((work / "metrics" / "eval.json").read_text())
+    ap50, ap = metrics["bbox"]["AP50"], metrics["bbox"]["AP"]
+    print(f"rtdetr_v2_tiny {broken or 'clean'}: AP50 {ap50:.3f}, AP {ap:.3f}")
+    assert metrics["num_images"] == len(LEARNS_IMAGE_IDS) and np.isfinite(ap50)
+    import torch
+    assert torch.load(work / "models" / "model.pt", weights_only=True)["config"]["name"] == "rtdetr_v2_tiny"
+    if broken is None:
+        assert ap50 >= DETR_AP50_MIN, f"rtdetr_v2_tiny did not fit {len(LEARNS_IMAGE_IDS)} images: AP50 {ap50:.3f}"
+    else:
+        assert ap50 < DETR_AP50_MIN, f"trained on a {broken} cache, AP50 {ap50:.3f} still passes"
+
+
 # What each corrupted training must show as its largest TIDE error (metrics/eval.json "errors", ΔAP50).
 EXPECTED_ERROR = {"labels+1": "cls", "boxes*2": "loc"}
 

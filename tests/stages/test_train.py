@@ -19,8 +19,8 @@ import pytest
 import torch
 import yaml
 
-from support.pipeline import (assert_same_training_state, checkpoint_iterations, checkpoints, kill9_training_after,
-                              stage_cli, stage_in_background, write_params)
+from support.pipeline import (LEARNS_DETR, assert_same_training_state, checkpoint_iterations, checkpoints,
+                              kill9_training_after, stage_cli, stage_in_background, write_params)
 from support.procs import run, stage_env
 
 from detpipe.errors import StageError
@@ -129,6 +129,30 @@ def test_kill9_and_sigterm_resume_is_bit_identical(cached_workdir, tmp_path):
     # the resumed run's curves have one row per iteration, no gap and no duplicate
     rows = list(csv.DictReader(open(killed / "dvclive/plots/metrics/train/loss.tsv"), delimiter="\t"))
     assert [int(r["step"]) for r in rows] == list(range(1, final_iter + 1))
+
+
+@pytest.mark.slow
+def test_kill9_resume_of_rtdetr_is_bit_identical(learns_detr_prepared, tmp_path):
+    """The transformers family (rtdetr_v2_tiny on the learns test's 4 images at 128 px, AdamW, the family's
+    default `detr` augmentation with flips, denoising queries drawn each step): a run killed with kill -9 after
+    its checkpoint at iteration 3 and resumed ends with the same weights and AdamW state (step, exp_avg,
+    exp_avg_sq) as an uninterrupted run."""
+    overrides = {"augment": LEARNS_DETR["augment"],
+                 "train": {**LEARNS_DETR["train"], "epochs": 6, "checkpoint_every": 1, "keep_last": 10,
+                           "log_every": 1, "augment": "auto", "hflip": 0.5}}
+    straight = _copy(learns_detr_prepared, tmp_path / "straight", overrides)
+    killed = _copy(learns_detr_prepared, tmp_path / "killed", overrides)
+    with stage_in_background("train", straight):
+        kill9_training_after(killed, iteration=3)
+    interrupted_at = checkpoint_iterations(killed)[-1]
+    resumed = stage_cli("train", killed)
+    assert f"resuming from checkpoints/ckpt-{interrupted_at:07d}.pt" in resumed.stderr
+    final_iter = checkpoint_iterations(straight)[-1]
+    assert interrupted_at < final_iter == 6
+    assert torch.load(straight / "models/model.pt", weights_only=True)["config"]["name"] == "rtdetr_v2_tiny"
+    state = torch.load(checkpoints(straight)[-1], weights_only=True)["optimizer"]["state"]
+    assert {"exp_avg", "exp_avg_sq"} <= set(next(iter(state.values())))
+    assert assert_same_training_state(checkpoints(straight)[-1], checkpoints(killed)[-1]) == final_iter
 
 
 @pytest.mark.slow
