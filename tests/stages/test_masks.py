@@ -348,8 +348,8 @@ def test_export_mask_model_with_masks_output(mask_trained, tmp_path):
     stage_cli("export", work)
     report = json.loads((work / "models/export_report.json").read_text())
     assert report["masks"] is True
-    for fmt, r in report["formats"].items():  # raw RPN outputs gate; the confident detections match too
-        assert r["raw"]["ok"] and r["detections"]["compared"] > 0 and r["detections"]["match"] >= 0.99, fmt
+    for fmt, r in report["formats"].items():  # raw RPN outputs gate; the detections match too (below)
+        assert r["raw"]["ok"] and r["detections"]["compared"] > 0, fmt
     card = (work / "models/model_card.md").read_text()
     assert "`masks` `float32 (N, 1, H, W)`" in card
     # the ONNX file's masks output agrees with the eager model's masks
@@ -392,6 +392,8 @@ def test_export_mask_model_with_masks_output(mask_trained, tmp_path):
             assert np.abs(np.roll(masks[k, 0], 3, axis=1) - reference).max() > 0.1, k
         same += 1
     assert same >= 10
+    model.transform.postprocess = postprocess
+    _detections_match_but_for_nms_swaps(model, session, work, report)
 
 
 def test_masks_are_the_same_in_both_encodings(mask_workdir, tmp_path):
@@ -410,3 +412,30 @@ def test_masks_are_the_same_in_both_encodings(mask_workdir, tmp_path):
             assert all(torch.equal(rt[k], jt[k]) for k in rt)
             n_masks += len(rt["masks"])
     assert n_masks > 0
+
+
+def _detections_match_but_for_nms_swaps(model, session, work, report) -> None:
+    """On the export's own images, every eager detection at or above the report's score threshold has an ONNX
+    detection of its label at IoU >= the report's ``iou_match`` (0.99), or is an NMS swap: an ONNX detection of its
+    label overlaps it at IoU >= the model's own NMS threshold (``roi_heads.nms_thresh``), kept instead of it because
+    two near-equal scores (this stand-in's saturated logits give many, 5e-6 apart) resolve the other way once boxes
+    differ by ~1e-3 px between backends (seen: 3 of 200 at 1 thread, 0 at 2). At most 5 % are swaps."""
+    from torchvision.ops import box_iou
+
+    dataset = CachedDetectionDataset(work / "data/cache", "val")
+    matched = swapped = 0
+    for i in range(report["images"]):
+        image = dataset[i][0]
+        with torch.no_grad():
+            eager = model([image])[0]
+        boxes, labels = (torch.from_numpy(a) for a in session.run(["boxes", "labels"], {"image": image.numpy()}))
+        keep = eager["scores"] >= report["score_threshold"]
+        iou = box_iou(eager["boxes"][keep], boxes)
+        iou[eager["labels"][keep][:, None] != labels[None, :]] = -1.0
+        best = iou.max(dim=1).values if len(boxes) else torch.full((int(keep.sum()),), -1.0)
+        ok = best >= report["iou_match"]
+        swap = ~ok & (best >= model.roi_heads.nms_thresh)
+        assert bool((ok | swap).all()), f"image {i}: eager detections without an ONNX one: IoU {best[~(ok | swap)]}"
+        matched, swapped = matched + int(ok.sum()), swapped + int(swap.sum())
+    assert matched > 0 and swapped <= 0.05 * (matched + swapped), (matched, swapped)
+
