@@ -141,18 +141,8 @@ def learns_dfine_broken(learns_prepared):
 def test_dfine_fits_a_handful_of_images(request, broken):
     """D-FINE (dfine_tiny, random init, 192 px, `support.pipeline.LEARNS_DFINE`) fits the 4 images: the evaluate
     stage's AP50 >= DETR_AP50_MIN; with the training cache's labels shifted by one class it stays below."""
-    import torch
-
-    work = request.getfixturevalue("fitted_dfine_workdir" if broken is None else "learns_dfine_broken")
-    metrics = json.loads((work / "metrics" / "eval.json").read_text())
-    ap50, ap = metrics["bbox"]["AP50"], metrics["bbox"]["AP"]
-    print(f"dfine_tiny {broken or 'clean'}: AP50 {ap50:.3f}, AP {ap:.3f}")
-    assert metrics["num_images"] == len(LEARNS_IMAGE_IDS) and np.isfinite(ap50)
-    assert torch.load(work / "models" / "model.pt", weights_only=True)["config"]["name"] == "dfine_tiny"
-    if broken is None:
-        assert ap50 >= DETR_AP50_MIN, f"dfine_tiny did not fit {len(LEARNS_IMAGE_IDS)} images: AP50 {ap50:.3f}"
-    else:
-        assert ap50 < DETR_AP50_MIN, f"trained on a {broken} cache, AP50 {ap50:.3f} still passes"
+    _assert_detr_fit(request.getfixturevalue("fitted_dfine_workdir" if broken is None else "learns_dfine_broken"),
+                     "dfine_tiny", broken)
 
 
 @pytest.fixture(scope="module")
@@ -168,15 +158,22 @@ def test_rtdetr_fits_a_handful_of_images(request, broken):
     the evaluate stage's AP50 >= DETR_AP50_MIN; trained on the same cache with its labels shifted by one class, it
     stays below. The clean case is the session fixture `fitted_detr_workdir` (tests/stages/test_transformers_e2e.py
     exports, predicts and serves it)."""
-    work = request.getfixturevalue("fitted_detr_workdir" if broken is None else "learns_detr_broken")
+    _assert_detr_fit(request.getfixturevalue("fitted_detr_workdir" if broken is None else "learns_detr_broken"),
+                     "rtdetr_v2_tiny", broken)
+
+
+def _assert_detr_fit(work, name: str, broken: str | None) -> None:
+    """The evaluate stage's figures of ``name`` trained in ``work``: AP50 >= DETR_AP50_MIN on a clean cache, below
+    it on a ``broken`` one."""
+    import torch
+
     metrics = json.loads((work / "metrics" / "eval.json").read_text())
     ap50, ap = metrics["bbox"]["AP50"], metrics["bbox"]["AP"]
-    print(f"rtdetr_v2_tiny {broken or 'clean'}: AP50 {ap50:.3f}, AP {ap:.3f}")
+    print(f"{name} {broken or 'clean'}: AP50 {ap50:.3f}, AP {ap:.3f}")
     assert metrics["num_images"] == len(LEARNS_IMAGE_IDS) and np.isfinite(ap50)
-    import torch
-    assert torch.load(work / "models" / "model.pt", weights_only=True)["config"]["name"] == "rtdetr_v2_tiny"
+    assert torch.load(work / "models" / "model.pt", weights_only=True)["config"]["name"] == name
     if broken is None:
-        assert ap50 >= DETR_AP50_MIN, f"rtdetr_v2_tiny did not fit {len(LEARNS_IMAGE_IDS)} images: AP50 {ap50:.3f}"
+        assert ap50 >= DETR_AP50_MIN, f"{name} did not fit {len(LEARNS_IMAGE_IDS)} images: AP50 {ap50:.3f}"
     else:
         assert ap50 < DETR_AP50_MIN, f"trained on a {broken} cache, AP50 {ap50:.3f} still passes"
 
