@@ -17,9 +17,12 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 
 
-def cached_workdir(n_images: int = 128, train_overrides: dict | None = None) -> Path:
+def cached_workdir(n_images: int = 128, train_overrides: dict | None = None,
+                   categories: list[str] | None = None) -> Path:
     """Make ``<tmp>/data/raw`` from the first ``n_images`` COCO128 images, write ``params.yaml`` (the
-    repository's, with ``train_overrides``), run convert and augment there; return the directory."""
+    repository's, with ``train_overrides``), run convert and augment there; return the directory. ``categories``
+    (COCO names, e.g. ``["person"]``): keep only those categories' annotations (every image stays, the others as
+    negatives)."""
     work = Path(tempfile.mkdtemp(prefix="detpipe-bench-"))
     src = REPO / "data" / "coco128"
     ann = json.loads((src / "annotations" / "instances_train2017.json").read_text())
@@ -28,7 +31,12 @@ def cached_workdir(n_images: int = 128, train_overrides: dict | None = None) -> 
     raw = work / "data" / "raw"
     (raw / "annotations").mkdir(parents=True)
     (raw / "train2017").mkdir()
-    ann = {**ann, "images": images, "annotations": [a for a in ann["annotations"] if a["image_id"] in ids]}
+    cats = ann["categories"] if categories is None else [c for c in ann["categories"] if c["name"] in categories]
+    if categories is not None and len(cats) != len(set(categories)):
+        raise SystemExit(f"unknown category in {categories} (COCO names: {[c['name'] for c in ann['categories']]})")
+    keep = {c["id"] for c in cats}
+    ann = {**ann, "images": images, "categories": cats,
+           "annotations": [a for a in ann["annotations"] if a["image_id"] in ids and a["category_id"] in keep]}
     (raw / "annotations" / "instances_train2017.json").write_text(json.dumps(ann))
     for im in images:
         shutil.copyfile(src / "train2017" / im["file_name"], raw / "train2017" / im["file_name"])
@@ -40,10 +48,11 @@ def cached_workdir(n_images: int = 128, train_overrides: dict | None = None) -> 
 
 
 @contextlib.contextmanager
-def temporary_workdir(n_images: int = 128, train_overrides: dict | None = None, keep: bool = False) -> Iterator[Path]:
+def temporary_workdir(n_images: int = 128, train_overrides: dict | None = None, keep: bool = False,
+                      categories: list[str] | None = None) -> Iterator[Path]:
     """`cached_workdir`, removed on exit; with ``keep`` left in place and its path printed to stderr (a
     benchmark's ``--keep``)."""
-    work = cached_workdir(n_images, train_overrides)
+    work = cached_workdir(n_images, train_overrides, categories)
     try:
         yield work
     finally:

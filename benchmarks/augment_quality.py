@@ -55,11 +55,14 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=15)
     ap.add_argument("--presets", nargs="+", default=["ssd", "detr", "yolo"])
     ap.add_argument("--yolo-mixup", type=float, default=0.0)
+    ap.add_argument("--categories", nargs="+", default=None,
+                    help="keep only these COCO categories (e.g. person: one class learns within a CPU budget)")
+    ap.add_argument("--batch-size", type=int, default=16)
     args = ap.parse_args()
-    with temporary_workdir(args.images) as base:
+    with temporary_workdir(args.images, categories=args.categories) as base:
         results = {}
         for preset in ["flip", *args.presets]:
-            train = {"augment": preset, "epochs": args.epochs, "resume": "never"}
+            train = {"augment": preset, "epochs": args.epochs, "resume": "never", "batch_size": args.batch_size}
             if preset == "yolo":
                 train["mixup"] = args.yolo_mixup
             stats, seconds = train_and_score(base, base / f"run-{preset}", train)

@@ -154,6 +154,7 @@ class Train(_Section):
     translate: Optional[float] = Field(default=None, ge=0, le=0.5, description="Largest random shift as a fraction of the image side (RandomAffine translate); null = the preset's (yolo 0.1).")
     mosaic: Optional[float] = Field(default=None, ge=0, le=1, description="Probability of a 4-image mosaic per sample (partners drawn from (seed, epoch, index)); null = the preset's (yolo 1).")
     mixup: Optional[float] = Field(default=None, ge=0, le=1, description="Probability of blending a sample with another one (ratio ~ Beta(32, 32), targets concatenated); null = the preset's (yolo 0, as Ultralytics).")
+    copy_paste: Optional[float] = Field(default=None, ge=0, le=1, description="Probability of pasting a random half of another sample's objects (their mask pixels) onto a sample; occluded objects' masks are cut and their boxes re-derived from the masks (torchvision.ops.masks_to_boxes), fully covered ones dropped (Ghiasi et al. 2021, Simple Copy-Paste; Ultralytics' copy_paste); closed with the mosaic (close_mosaic). Needs a cache with instance masks; null = off (every preset's, as Ultralytics' default 0).")
     close_mosaic: Optional[int] = Field(default=None, ge=0, description="The last this many epochs run without mosaic and mixup; null = the preset's (yolo: max(1, round(0.1 x epochs)), Ultralytics' 10 of 100).")
     stop_augment: Optional[int] = Field(default=None, ge=0, description="The last this many epochs run with the flip only (RT-DETR's stop_epoch); null = the preset's (detr 1).")
     seed: int = Field(default=0, description="Seed of the sampler, flips, augmentation draws and model init (every rank's RNG derives from it).")
@@ -216,10 +217,10 @@ class Train(_Section):
             if getattr(self, key) is not None and getattr(self, key) > self.epochs:
                 raise ValueError(f"train.{key} ({getattr(self, key)}) must be at most train.epochs ({self.epochs})")
         if self.augment == "flip" and any(getattr(self, k) for k in ("photometric", "iou_crop", "scale", "translate",
-                                                                      "mosaic", "mixup")) or \
+                                                                      "mosaic", "mixup", "copy_paste")) or \
                 self.augment == "flip" and (self.zoom_out or 1) > 1:
             raise ValueError("train.augment: flip has no augmentation ops to tune: choose a preset (ssd, detr, "
-                             "yolo) for photometric, zoom_out, iou_crop, scale, translate, mosaic or mixup")
+                             "yolo) for photometric, zoom_out, iou_crop, scale, translate, mosaic, mixup or copy_paste")
         if (self.patience or self.final == "best") and not self.eval_every:
             raise ValueError("train.patience and train.final: best need val evaluations: set train.eval_every")
         return self

@@ -397,8 +397,14 @@ class CachedDetectionDataset(Dataset):
         u8 = self._decoded(r, self._stored(r, record))
         boxes = torch.from_numpy(np.array(self._boxes[self._box_off[r]:self._box_off[r + 1]], dtype=np.float32))
         labels = torch.from_numpy(self._labels[self._lab_off[r]:self._lab_off[r + 1]].copy())
-        masks = torch.from_numpy(np.ascontiguousarray(self._masks_view(r, record))) if self.with_masks else None
+        masks = torch.from_numpy(np.ascontiguousarray(self._masks_view(r, record))) if self._read_masks else None
         return make_sample(u8, boxes, labels, masks)
+
+    @property
+    def _read_masks(self) -> bool:
+        """Whether samples are read with their masks: for the model (``with_masks``) or for the train-time
+        augmentation alone (copy-paste on a box-only model: the masks are dropped after it)."""
+        return self.with_masks or bool(getattr(self.transforms, "needs_masks", False))
 
     def _decode_batch(self, pairs: list[tuple[int, int]]) -> list[torch.Tensor | None]:
         """Decoded pixels of a batch's JPEG samples with one `decode_images` call (None entries for a raw cache or
@@ -458,14 +464,14 @@ class CachedDetectionDataset(Dataset):
             raise IndexError(f"sample {i} out of range (dataset of {len(self)})")
         epoch = self.epoch if epoch is None else epoch
         r = self.row(i, epoch)
-        record = self._record(r) if u8 is None or self.with_masks else None
+        record = self._record(r) if u8 is None or self._read_masks else None
         flip = self.flipped(i, epoch)
         if self.defer_decode and self.encoding == "jpeg":
             u8 = self._stored(r, record).clone()  # the JPEG bytes; decoded (and flipped) by micro_batches
         elif u8 is None:
             u8 = self._decoded(r, self._stored(r, record))
         boxes = self._boxes[self._box_off[r]:self._box_off[r + 1]]
-        masks = self._masks_view(r, record) if self.with_masks else None
+        masks = self._masks_view(r, record) if self._read_masks else None
         deferred = self.defer_decode and self.encoding == "jpeg"
         labels = self._labels[self._lab_off[r]:self._lab_off[r + 1]]
         dropped = None
@@ -477,7 +483,7 @@ class CachedDetectionDataset(Dataset):
             u8 = sample["image"].as_subclass(torch.Tensor)
             boxes = sample["boxes"].as_subclass(torch.Tensor).numpy()
             labels = sample["labels"].numpy()
-            masks = None if masks is None else sample["masks"].as_subclass(torch.Tensor).numpy()
+            masks = None if masks is None or not self.with_masks else sample["masks"].as_subclass(torch.Tensor).numpy()
             flip = False  # drawn and applied by the transforms
         if flip:
             if not deferred:

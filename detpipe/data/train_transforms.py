@@ -25,7 +25,11 @@ instance masks, and would add a library for ~60 lines): `mosaic` places 4 sample
 2H x 2W canvas with ``F.crop`` (boxes and masks shifted and clipped by v2), then scales/translates the canvas with
 ``RandomAffine`` and takes its centre H x W with ``F.center_crop`` (Ultralytics' ``Mosaic`` + ``random_perspective``
 with ``border = -s/2``); `mixup` blends two samples with ratio ~ Beta(32, 32) and concatenates their targets
-(Ultralytics' ``MixUp``).
+(Ultralytics' ``MixUp``); `copy_paste` pastes a random subset of another sample's objects (their mask pixels) onto
+the sample, cuts the covered pixels out of the sample's own masks, re-derives the boxes of the objects it occluded
+from what is left of their masks with ``torchvision.ops.masks_to_boxes`` and drops the objects it covered entirely
+(Ghiasi et al. 2021, "Simple Copy-Paste is a Strong Data Augmentation Method for Instance Segmentation",
+arXiv:2012.07177, without its scale jitter; Ultralytics' ``copy_paste``). Mask datasets only.
 
 Determinism: every random draw is a function of ``(seed, epoch, sample index, op)`` only: each op runs under
 ``torch.random.fork_rng`` with ``torch.manual_seed(draw_seed(seed, epoch, i, op))`` (v2 transforms draw from torch's
@@ -46,7 +50,7 @@ from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
 __all__ = ["Recipe", "PRESETS", "default_augment", "resolve", "resolve_preset", "make_sample", "TrainTransforms",
-           "draw_seed", "mosaic", "mixup", "per_image_ops"]
+           "draw_seed", "mosaic", "mixup", "copy_paste", "per_image_ops"]
 
 PRESET_NAMES = ("flip", "ssd", "detr", "yolo")
 SSD_MEAN_FILL = (123, 117, 104)
@@ -57,7 +61,7 @@ MIXUP_BETA = 32.0
 """Ultralytics ``MixUp``: blend ratio ~ Beta(32, 32)."""
 
 _OPS = {"photometric": 1, "zoom_out": 2, "iou_crop": 3, "affine": 4, "mosaic": 5, "mixup": 6, "partners": 7,
-        "mosaic_affine": 8, "colour": 9}
+        "mosaic_affine": 8, "colour": 9, "copy_paste": 10}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +78,8 @@ class Recipe:
         translate: largest affine shift as a fraction of the image side (``RandomAffine(translate=(t, t))``).
         mosaic: probability of a 4-image mosaic per sample.
         mixup: probability of blending the sample with another (mosaic'd, when mosaic is on) sample.
+        copy_paste: probability of pasting a random subset of another sample's objects onto the sample (`copy_paste`;
+            mask datasets only); closed with the mosaic (``close_mosaic``), as Ultralytics' ``close_mosaic`` does.
         close_mosaic: the last this many epochs run without mosaic and mixup.
         stop_augment: the last this many epochs run with the flip only.
         epochs: ``train.epochs`` (where the closing epochs start).
@@ -88,6 +94,7 @@ class Recipe:
     translate: float = 0.0
     mosaic: float = 0.0
     mixup: float = 0.0
+    copy_paste: float = 0.0
     close_mosaic: int = 0
     stop_augment: int = 0
     epochs: int = 1
@@ -107,7 +114,7 @@ class Recipe:
     @property
     def is_flip_only(self) -> bool:
         return not (self.photometric or self.zoom_out > 1 or self.iou_crop or self.scale or self.translate
-                    or self.mosaic or self.mixup)
+                    or self.mosaic or self.mixup or self.copy_paste)
 
 
 def _presets(epochs: int) -> dict[str, Recipe]:
@@ -124,8 +131,8 @@ def _presets(epochs: int) -> dict[str, Recipe]:
 PRESETS = _presets(100)
 """The presets at 100 epochs (the closing epochs scale with ``train.epochs``: `resolve`)."""
 
-TUNABLE = ("photometric", "zoom_out", "iou_crop", "scale", "translate", "mosaic", "mixup", "close_mosaic",
-           "stop_augment")
+TUNABLE = ("photometric", "zoom_out", "iou_crop", "scale", "translate", "mosaic", "mixup", "copy_paste",
+           "close_mosaic", "stop_augment")
 """``train.*`` keys that override a preset's value (null keeps the preset's)."""
 
 
@@ -257,6 +264,49 @@ def mixup(a: Sample, b: Sample, ratio: float) -> Sample:
                        torch.cat([a["labels"], b["labels"]]), masks)
 
 
+def _occluded_boxes(boxes: torch.Tensor, masks: torch.Tensor, occluded: torch.Tensor) -> torch.Tensor:
+    """``boxes`` float32 ``(N, 4)`` XYXY with the rows ``occluded`` (bool ``(N,)``) replaced by the pixel bounds of
+    ``masks`` ``(N, H, W)`` (non-empty there): ``torchvision.ops.masks_to_boxes`` + 1 on x2 and y2."""
+    from torchvision.ops import masks_to_boxes
+
+    boxes = boxes.clone()
+    if bool(occluded.any()):
+        boxes[occluded] = masks_to_boxes(masks[occluded]) + torch.tensor([0.0, 0.0, 1.0, 1.0])
+    return boxes
+
+
+def copy_paste(dst: Sample, src: Sample, pick: torch.Tensor) -> tuple[Sample, int]:
+    """Paste the objects ``pick`` of ``src`` onto ``dst`` (Ghiasi et al. 2021, arXiv:2012.07177, "Simple Copy-Paste",
+    without its scale jitter): the pixels under the union of the picked objects' masks are ``src``'s, every ``dst``
+    mask loses those pixels, a ``dst`` object that lost some has its box re-derived from what is left of its mask by
+    ``torchvision.ops.masks_to_boxes`` (+1 on x2 and y2: it returns the last pixel's index, boxes end at its far
+    edge), one that lost all of them is dropped. Untouched objects keep their boxes; pasted objects keep ``src``'s.
+
+    Args:
+        dst, src: v2 samples (`make_sample`) of the same size ``(H, W)``, both with ``masks`` uint8 ``(N, H, W)``.
+        pick: bool ``(N_src,)``, which ``src`` objects to paste.
+
+    Returns:
+        ``(sample, dropped)``: the composite (``dst``'s objects that remain, then the pasted ones; ``image`` uint8
+        ``(3, H, W)``, ``boxes`` float32 XYXY pixels, ``labels``, ``masks``) and how many ``dst`` objects were
+        covered entirely.
+    """
+    d_masks = dst["masks"].as_subclass(torch.Tensor)
+    s_masks = src["masks"].as_subclass(torch.Tensor)[pick]
+    if s_masks.shape[0] == 0:
+        return dst, 0
+    cover = s_masks.bool().any(0)  # (H, W)
+    image = torch.where(cover, src["image"].as_subclass(torch.Tensor), dst["image"].as_subclass(torch.Tensor))
+    before = d_masks.flatten(1).sum(1)
+    cut = d_masks * (~cover).to(d_masks.dtype)
+    after = cut.flatten(1).sum(1)
+    keep = after > 0
+    boxes = _occluded_boxes(dst["boxes"].as_subclass(torch.Tensor), cut, keep & (after < before))
+    out = make_sample(image, torch.cat([boxes[keep], src["boxes"].as_subclass(torch.Tensor)[pick]]),
+                      torch.cat([dst["labels"][keep], src["labels"][pick]]), torch.cat([cut[keep], s_masks]))
+    return out, int((~keep).sum())
+
+
 class TrainTransforms:
     """The train-time augmentation of one `Recipe`, called by `detpipe.data.dataset.CachedDetectionDataset` per
     sample (in the loader: DataLoader worker processes or the training process).
@@ -268,6 +318,7 @@ class TrainTransforms:
 
     def __init__(self, recipe: Recipe, seed: int, n_samples: int):
         self.recipe, self.seed, self.n = recipe, int(seed), int(n_samples)
+        self.needs_masks = bool(recipe.copy_paste)  # the dataset must read masks even for a box-only model
         self.ops = per_image_ops(recipe)
         self.affine = _affine(recipe)
 
@@ -303,8 +354,9 @@ class TrainTransforms:
         """Augment sample ``i`` of ``epoch`` (``sample``: its cached `make_sample`; ``flip``: the dataset's flip
         draw, `CachedDetectionDataset.flipped`). Returns ``(sample, dropped)``: the augmented sample (same size as
         the input, boxes XYXY pixels, sanitized by v2 ``SanitizeBoundingBoxes(min_size=1)``) and how many boxes
-        the ops removed (objects of mixed-in partners count as added, so ``dropped`` is ``inputs - outputs``
-        over every sample that went in, never negative). With masks, an object whose mask no op left a pixel of
+        the ops removed (objects of mixed-in partners and pasted objects count as added, so ``dropped`` is
+        ``inputs - outputs`` over every sample that went in, never negative; an object copy-paste covered entirely
+        counts as dropped). With masks, an object whose mask no op left a pixel of
         (a thin object shrunk by nearest-neighbour sampling) is dropped as well."""
         r = self.recipe
         size = tuple(sample["image"].shape[-2:])
@@ -324,6 +376,16 @@ class TrainTransforms:
                 # the partner's own draws are keyed by a sample index past the dataset's, so they never repeat i's
                 other = self._one(self.n + j, epoch, _to_size(counting_load(j, epoch), size), counting_load, size)
                 out = mixup(out, other, float(rng.beta(MIXUP_BETA, MIXUP_BETA)))
+        pasted = 0
+        if r.copy_paste and r.mosaic_on(epoch):
+            rng = np.random.default_rng([self.seed % 2**63, epoch, i, _OPS["copy_paste"]])
+            if rng.random() < r.copy_paste:
+                if "masks" not in out:
+                    raise ValueError("train.copy_paste needs samples with instance masks")
+                src = _to_size(load(int(rng.integers(0, self.n)), epoch), size)
+                pick = torch.from_numpy(rng.random(len(src["labels"])) < 0.5)
+                out, _ = copy_paste(out, src, pick)
+                pasted = int(pick.sum())
         if "masks" in out:  # an object whose mask a shrinking op sampled away has nothing left to learn from
             keep = out["masks"].flatten(1).bool().any(1)
             if not bool(keep.all()):
@@ -332,4 +394,4 @@ class TrainTransforms:
                        for k, v in out.items()}
         if flip:
             out = {k: (F.horizontal_flip(v) if k != "labels" else v) for k, v in out.items()}
-        return out, n_in + sum(loaded) - len(out["labels"])
+        return out, n_in + sum(loaded) + pasted - len(out["labels"])

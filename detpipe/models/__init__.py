@@ -208,7 +208,7 @@ def build_detector(cfg: Train, arrow_meta: Path = ARROW_META, cache_dir: Path = 
         ``(model, config, cache meta.json bytes)``: ``config`` is `model_config`'s dict.
     Raises:
         StageError: missing inputs (either ``meta.json``), unknown model, an SSD model on a cache of another size
-            (`model_kwargs`), a mask model on a cache without masks.
+            (`model_kwargs`), a mask model, or ``train.copy_paste``, on a cache without masks.
     """
     from detpipe.data.dataset import check_cache_masks, uses_masks
     from detpipe.data.meta import read_cache_meta_bytes, read_meta
@@ -223,4 +223,9 @@ def build_detector(cfg: Train, arrow_meta: Path = ARROW_META, cache_dir: Path = 
         model = build_from_config(config)
     if uses_masks(model):  # Mask R-CNN: targets carry the cached instance masks
         check_cache_masks(cache_meta, cfg.model, f"{cache_root.split('?')[0]}/meta.json")
+    copy_paste = getattr(cfg, "copy_paste", None)
+    if copy_paste and not cache_meta.get("masks"):  # the preset never sets it: only the key turns it on
+        raise StageError(f"params.yaml: train.copy_paste {copy_paste} needs instance masks, but "
+                         f"{cache_root.split('?')[0]}/meta.json has none (copy-paste pastes objects by their masks: "
+                         f"use a dataset with segmentations, or set train.copy_paste: null)")
     return model, config, cache_meta_bytes

@@ -236,6 +236,101 @@ def test_mixup_blends_pixels_and_concatenates_targets(masked):
     assert torch.equal(_plain(out["masks"]), torch.cat([_plain(a["masks"]), _plain(b["masks"])]))
 
 
+def _check_copy_paste(load, pairs) -> tuple[int, int]:
+    """`copy_paste` on real COCO128 samples ``pairs`` ``(dst, src)`` (the src's every other object picked) against
+    the rule written out and torchvision's ``masks_to_boxes``: pixels under the pasted masks are src's, the rest
+    dst's; dst masks lose the covered pixels; a dst object that lost pixels has the bounds of what is left as its
+    box (``masks_to_boxes`` + 1 on x2/y2, and the same bounds from the pixel indices), one that lost all is dropped
+    and counted, the others keep their boxes; pasted objects keep src's boxes, labels and masks. Returns
+    ``(occluded, dropped)`` totals."""
+    occluded_total = dropped_total = 0
+    for a, b in pairs:
+        dst = load(a, 0)
+        src = tt._to_size(load(b, 0), tuple(dst["image"].shape[-2:]))
+        pick = torch.arange(len(src["labels"])) % 2 == 0
+        out, dropped = tt.copy_paste(dst, src, pick)
+        cover = _plain(src["masks"])[pick].bool().any(0)
+        assert torch.equal(_plain(out["image"]), torch.where(cover, _plain(src["image"]), _plain(dst["image"])))
+        cut = _plain(dst["masks"]) & ~cover
+        left = cut.flatten(1).bool().any(1)
+        assert dropped == int((~left).sum()), f"pair {a, b}"
+        n = int(left.sum())
+        assert torch.equal(_plain(out["masks"]), torch.cat([cut[left], _plain(src["masks"])[pick]]))
+        assert torch.equal(out["labels"], torch.cat([dst["labels"][left], src["labels"][pick]]))
+        boxes = _plain(out["boxes"])
+        torch.testing.assert_close(boxes[n:], _plain(src["boxes"])[pick], rtol=0, atol=0)
+        lost = _plain(dst["masks"]).flatten(1).sum(1) > cut.flatten(1).sum(1)
+        for k, (orig, m, was_cut) in enumerate(zip(_plain(dst["boxes"])[left], cut[left], lost[left])):
+            if was_cut:
+                ys, xs = torch.nonzero(m, as_tuple=True)
+                bounds = torch.stack([xs.min(), ys.min(), xs.max() + 1, ys.max() + 1]).float()
+                assert torch.equal(boxes[k], bounds), f"pair {a, b} object {k}: {boxes[k].tolist()} {bounds.tolist()}"
+                assert torch.equal(boxes[k], masks_to_boxes(m[None])[0] + torch.tensor([0.0, 0.0, 1.0, 1.0]))
+                occluded_total += 1
+            else:
+                assert torch.equal(boxes[k], orig), f"pair {a, b} object {k} was not occluded but its box moved"
+        _assert_aligned(out, f"copy-paste {a, b}")
+        dropped_total += dropped
+    return occluded_total, dropped_total
+
+
+def _paste_pairs(n: int) -> list[tuple[int, int]]:
+    """Each sample of ``n`` as dst with two others as src."""
+    return [(a, (a + d) % n) for a in range(n) for d in (1, 3)]
+
+
+def test_copy_paste_equals_the_rule_and_torchvisions_masks_to_boxes(masked):
+    occluded, dropped = _check_copy_paste(_aligned(masked), _paste_pairs(len(masked)))
+    assert occluded > 0 and dropped > 0, (occluded, dropped)  # the pairs exercise both cases
+
+
+def test_copy_paste_without_re_deriving_the_boxes_fails(masked, monkeypatch):
+    """Must-fail variant: occluded objects keep their old boxes (the masks_to_boxes step removed)."""
+    monkeypatch.setattr(tt, "_occluded_boxes", lambda boxes, cut, occluded: boxes)
+    with pytest.raises(AssertionError, match="object"):
+        _check_copy_paste(_aligned(masked), _paste_pairs(len(masked)))
+
+
+def test_copy_paste_in_the_loader_of_a_box_only_model(cache):
+    """``train.copy_paste`` on a box-only model's dataset: the masks are read for the paste and not handed on;
+    every sample equals `TrainTransforms` on its cached sample (with masks), some samples gained pasted objects,
+    the draws are a function of (seed, epoch, index) (same sample twice, another in the next epoch)."""
+    ds = CachedDetectionDataset(cache, "train", hflip=0.5, seed=SEED)
+    recipe = dataclasses.replace(tt.resolve_preset("ssd", 3), copy_paste=1.0)
+    ds.transforms = tt.TrainTransforms(recipe, SEED, len(ds))
+    gained = 0
+    for i in range(8):
+        image, target = ds[(0, i)]
+        assert "masks" not in target
+        got, dropped = ds.transforms(i, 0, ds.cached_sample(i, 0), ds.flipped(i, 0), ds.cached_sample)
+        assert torch.equal(target["boxes"], _plain(got["boxes"])) and int(target["dropped"]) == dropped
+        assert torch.equal(image, ds[(0, i)][0])
+        gained += len(target["labels"]) > len(ds.cached_sample(i, 0)["labels"])
+    assert gained > 0
+
+
+def test_copy_paste_needs_a_cache_with_masks(cached_workdir, tmp_path):
+    """One line naming train.copy_paste and the cache's meta.json when the cache has no masks (checked where the
+    model is built: in the launcher, before a worker starts)."""
+    import json
+    import shutil
+
+    from detpipe.models import build_detector
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    meta = json.loads((cached_workdir / "data/cache/meta.json").read_text())
+    (cache / "meta.json").write_text(json.dumps({**meta, "masks": False}))
+    shutil.copyfile(cached_workdir / "data/arrow/meta.json", tmp_path / "arrow_meta.json")
+    cfg = params_mod.Train(copy_paste=0.5)
+    with pytest.raises(StageError) as e:
+        build_detector(cfg, tmp_path / "arrow_meta.json", cache, device="meta")
+    assert len(str(e.value).splitlines()) == 1 and "train.copy_paste" in str(e.value) \
+        and str(cache / "meta.json") in str(e.value), str(e.value)
+    build_detector(params_mod.Train(copy_paste=0.5), cached_workdir / "data/arrow/meta.json",
+                   cached_workdir / "data/cache", device="meta")  # the fixture's cache has masks
+
+
 def _yolo_dataset(cache, **over) -> CachedDetectionDataset:
     ds = CachedDetectionDataset(cache, "train", hflip=0.5, seed=SEED)
     recipe = dataclasses.replace(tt.resolve_preset("yolo", 3), **{"mixup": 0.5, **over})
@@ -283,9 +378,10 @@ def test_close_mosaic_switches_by_epoch(cache):
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_loader_resume_with_mosaic_and_mixup_gives_the_same_batches(cache, num_workers):
-    """micro_batches with the yolo preset (mosaic 1, mixup 0.5, close_mosaic 1 of 3 epochs) started at iteration
-    k equals steps k.. of a run from 0, across the epoch where mosaic closes, in the main process and in workers."""
-    ds = _yolo_dataset(cache, close_mosaic=1)
+    """micro_batches with the yolo preset (mosaic 1, mixup 0.5, copy-paste 0.5, close_mosaic 1 of 3 epochs) started
+    at iteration k equals steps k.. of a run from 0, across the epoch where mosaic closes, in the main process and in
+    workers."""
+    ds = _yolo_dataset(cache, close_mosaic=1, copy_paste=0.5)
     per_epoch = len(ds) // 2
     sampler = ResumableDistributedSampler(len(ds), seed=SEED, shards=ds.sample_shards())
     gen = micro_batches(ds, sampler, (0, 0, 0), 2, 1)
@@ -317,6 +413,8 @@ def test_default_preset_follows_the_model_and_keys_override_it():
 
 @pytest.mark.parametrize("train, key", [
     ({"augment": "flip", "mosaic": 1.0}, "train"),
+    ({"augment": "flip", "copy_paste": 0.5}, "train"),
+    ({"copy_paste": 2}, "train.copy_paste"),
     ({"augment": "yolo", "close_mosaic": 9, "epochs": 8}, "train"),
     ({"augment": "mosaic"}, "train.augment"),
     ({"mixup": 1.5}, "train.mixup"),
