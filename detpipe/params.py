@@ -155,6 +155,7 @@ class Train(_Section):
     mosaic: Optional[float] = Field(default=None, ge=0, le=1, description="Probability of a 4-image mosaic per sample (partners drawn from (seed, epoch, index)); null = the preset's (yolo 1).")
     mixup: Optional[float] = Field(default=None, ge=0, le=1, description="Probability of blending a sample with another one (ratio ~ Beta(32, 32), targets concatenated); null = the preset's (yolo 0, as Ultralytics).")
     copy_paste: Optional[float] = Field(default=None, ge=0, le=1, description="Probability of pasting a random half of another sample's objects (their mask pixels) onto a sample; occluded objects' masks are cut and their boxes re-derived from the masks (torchvision.ops.masks_to_boxes), fully covered ones dropped (Ghiasi et al. 2021, Simple Copy-Paste; Ultralytics' copy_paste); closed with the mosaic (close_mosaic). Needs a cache with instance masks; null = off (every preset's, as Ultralytics' default 0).")
+    multi_scale: Optional[Union[float, list[int]]] = Field(default=None, description="Multi-scale training sizes, drawn per optimizer step (every image of the step, on every rank) from (seed, epoch, iteration): a list of square sides in pixels (multiples of 32), or a fraction f: the multiples of 32 within the cache's size x [1 - f, 1 + f]; 0 = off; off with the mosaic for the last close_mosaic / stop_augment epochs (RT-DETR's stop_epoch). Only for models that take a variable input size (the transformers DETRs; SSD's fixed size and R-CNN's own resize refuse it); null = the preset's (detr 0.25: RT-DETRv2's 480..800 around 640; the others off, as Ultralytics' multi_scale: false).")
     close_mosaic: Optional[int] = Field(default=None, ge=0, description="The last this many epochs run without mosaic and mixup; null = the preset's (yolo: max(1, round(0.1 x epochs)), Ultralytics' 10 of 100).")
     stop_augment: Optional[int] = Field(default=None, ge=0, description="The last this many epochs run with the flip only (RT-DETR's stop_epoch); null = the preset's (detr 1).")
     seed: int = Field(default=0, description="Seed of the sampler, flips, augmentation draws and model init (every rank's RNG derives from it).")
@@ -221,6 +222,11 @@ class Train(_Section):
                 self.augment == "flip" and (self.zoom_out or 1) > 1:
             raise ValueError("train.augment: flip has no augmentation ops to tune: choose a preset (ssd, detr, "
                              "yolo) for photometric, zoom_out, iou_crop, scale, translate, mosaic, mixup or copy_paste")
+        ms = self.multi_scale
+        if isinstance(ms, list) and (not ms or any(s < 32 or s % 32 for s in ms)):
+            raise ValueError(f"train.multi_scale {ms}: sizes must be a non-empty list of multiples of 32 pixels")
+        if isinstance(ms, float) and not 0 <= ms < 1:
+            raise ValueError(f"train.multi_scale {ms}: a fraction must be in [0, 1)")
         if (self.patience or self.final == "best") and not self.eval_every:
             raise ValueError("train.patience and train.final: best need val evaluations: set train.eval_every")
         return self

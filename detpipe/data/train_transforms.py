@@ -50,7 +50,8 @@ from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
 __all__ = ["Recipe", "PRESETS", "default_augment", "resolve", "resolve_preset", "make_sample", "TrainTransforms",
-           "draw_seed", "mosaic", "mixup", "copy_paste", "per_image_ops"]
+           "draw_seed", "mosaic", "mixup", "copy_paste", "per_image_ops", "multi_scale_sizes", "step_size",
+           "resize_batch"]
 
 PRESET_NAMES = ("flip", "ssd", "detr", "yolo")
 SSD_MEAN_FILL = (123, 117, 104)
@@ -61,7 +62,7 @@ MIXUP_BETA = 32.0
 """Ultralytics ``MixUp``: blend ratio ~ Beta(32, 32)."""
 
 _OPS = {"photometric": 1, "zoom_out": 2, "iou_crop": 3, "affine": 4, "mosaic": 5, "mixup": 6, "partners": 7,
-        "mosaic_affine": 8, "colour": 9, "copy_paste": 10}
+        "mosaic_affine": 8, "colour": 9, "copy_paste": 10, "multi_scale": 11}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +81,8 @@ class Recipe:
         mixup: probability of blending the sample with another (mosaic'd, when mosaic is on) sample.
         copy_paste: probability of pasting a random subset of another sample's objects onto the sample (`copy_paste`;
             mask datasets only); closed with the mosaic (``close_mosaic``), as Ultralytics' ``close_mosaic`` does.
+        multi_scale: multi-scale training sizes per optimizer step (`step_size`): square sides in pixels, or a
+            fraction f (the multiples of 32 within the cache's size x [1 - f, 1 + f]); 0 = off. Off with the mosaic.
         close_mosaic: the last this many epochs run without mosaic and mixup.
         stop_augment: the last this many epochs run with the flip only.
         epochs: ``train.epochs`` (where the closing epochs start).
@@ -95,6 +98,7 @@ class Recipe:
     mosaic: float = 0.0
     mixup: float = 0.0
     copy_paste: float = 0.0
+    multi_scale: float | tuple[int, ...] = 0.0
     close_mosaic: int = 0
     stop_augment: int = 0
     epochs: int = 1
@@ -122,7 +126,9 @@ def _presets(epochs: int) -> dict[str, Recipe]:
     return {
         "flip": Recipe("flip", epochs=epochs),
         "ssd": Recipe("ssd", photometric=0.5, zoom_out=4.0, iou_crop=1.0, fill=SSD_MEAN_FILL, epochs=epochs),
-        "detr": Recipe("detr", photometric=0.5, zoom_out=4.0, iou_crop=0.8, stop_augment=1, epochs=epochs),
+        # RT-DETRv2's BatchImageCollateFunction scales 480..800 around its 640: +-25 %
+        "detr": Recipe("detr", photometric=0.5, zoom_out=4.0, iou_crop=0.8, stop_augment=1, multi_scale=0.25,
+                       epochs=epochs),
         "yolo": Recipe("yolo", photometric=1.0, scale=0.5, translate=0.1, mosaic=1.0, mixup=0.0, close_mosaic=close,
                        fill=(YOLO_FILL,) * 3, colour="hsv", epochs=epochs),
     }
@@ -148,9 +154,16 @@ def default_augment(model_name: str) -> str:
 def resolve(cfg) -> Recipe:
     """The `Recipe` of a ``train`` params section (`detpipe.params.Train`): preset ``cfg.augment`` (``auto``:
     `default_augment` of ``cfg.model``) with each non-null key of `TUNABLE` over it."""
+    from detpipe.models.family import family_of
+
     name = default_augment(cfg.model) if cfg.augment == "auto" else cfg.augment
     base = _presets(cfg.epochs)[name]
     over = {k: getattr(cfg, k) for k in TUNABLE if getattr(cfg, k, None) is not None}
+    ms = getattr(cfg, "multi_scale", None)
+    if ms is not None:  # the user's sizes (a model that cannot take them is refused: build_detector)
+        over["multi_scale"] = tuple(int(s) for s in ms) if isinstance(ms, list) else float(ms)
+    elif not family_of(cfg.model).variable_input(cfg.model):
+        over["multi_scale"] = 0.0  # a preset's sizes only where the model takes them
     return dataclasses.replace(base, **over)
 
 
@@ -305,6 +318,49 @@ def copy_paste(dst: Sample, src: Sample, pick: torch.Tensor) -> tuple[Sample, in
     out = make_sample(image, torch.cat([boxes[keep], src["boxes"].as_subclass(torch.Tensor)[pick]]),
                       torch.cat([dst["labels"][keep], src["labels"][pick]]), torch.cat([cut[keep], s_masks]))
     return out, int((~keep).sum())
+
+
+def multi_scale_sizes(spec: float | tuple[int, ...], base: int) -> list[int]:
+    """The square sides (pixels) a multi-scale spec draws from: a tuple as given; a fraction ``f`` the multiples of
+    32 in ``[base (1 - f), base (1 + f)]`` (``base``: the cache's side; at least ``[base]``)."""
+    if isinstance(spec, tuple):
+        return list(spec)
+    lo, hi = -(-int(round(base * (1 - spec))) // 32), int(base * (1 + spec)) // 32
+    return [32 * k for k in range(max(1, lo), hi + 1)] or [base]
+
+
+def step_size(recipe: Recipe, seed: int, epoch: int, iteration: int, base: int) -> Optional[int]:
+    """The square side (pixels) every image of optimizer step ``iteration`` (0-based, global; of ``epoch``) is
+    resized to, or None (multi-scale off: ``recipe.multi_scale`` 0, or a closing epoch, `Recipe.mosaic_on`). A
+    function of ``(seed, epoch, iteration)``: every rank draws the same and a resumed run the same as an
+    uninterrupted one (RT-DETR's ``BatchImageCollateFunction`` draws per batch, ``random.choice(scales)``)."""
+    if not recipe.multi_scale or not recipe.mosaic_on(epoch):
+        return None
+    sizes = multi_scale_sizes(recipe.multi_scale, base)
+    rng = np.random.default_rng([int(seed) % 2**63, epoch, iteration, _OPS["multi_scale"]])
+    return int(sizes[int(rng.integers(0, len(sizes)))])
+
+
+def resize_batch(images: list[torch.Tensor], targets: list[dict], size: int) -> tuple[list[torch.Tensor], list[dict]]:
+    """Every image resized to ``size`` x ``size`` pixels with v2 ``F.resize`` (bilinear, antialias), its target's
+    ``boxes`` (float32 ``(N, 4)`` XYXY pixels, as ``BoundingBoxes``) and ``masks`` (uint8 ``(N, H, W)``, nearest)
+    by the same call; other target keys unchanged. Runs on the tensors' device (CPU or CUDA). Images float32
+    ``(3, H, W)`` (or uint8)."""
+    out_i, out_t = [], []
+    for image, target in zip(images, targets):
+        h, w = image.shape[-2:]
+        if (h, w) == (size, size):
+            out_i.append(image)
+            out_t.append(target)
+            continue
+        t = dict(target)
+        out_i.append(F.resize(image, [size, size], antialias=True))
+        t["boxes"] = F.resize(tv_tensors.BoundingBoxes(target["boxes"], format="XYXY", canvas_size=(h, w)),
+                              [size, size]).as_subclass(torch.Tensor)
+        if "masks" in target:
+            t["masks"] = F.resize(tv_tensors.Mask(target["masks"]), [size, size]).as_subclass(torch.Tensor)
+        out_t.append(t)
+    return out_i, out_t
 
 
 class TrainTransforms:

@@ -29,7 +29,7 @@ from detpipe.engine.checkpoints import (FORMAT, find_resume_state, fingerprint, 
                                        remove_partial_saves, rng_state, save_atomic, schedule_changes,
                                        schedule_params, set_rng_state)
 from detpipe.data.dataset import CachedDetectionDataset, ResumableDistributedSampler, micro_batches, uses_masks
-from detpipe.data.train_transforms import TrainTransforms, resolve as resolve_augment
+from detpipe.data.train_transforms import TrainTransforms, resize_batch, resolve as resolve_augment, step_size
 from detpipe.data.meta import read_meta
 from detpipe.engine.distributed import setup_distributed
 from detpipe.engine.elastic import EpochPlan, record_samples
@@ -86,6 +86,7 @@ class Trainer(TrainerBase):
         self.bad_steps = 0
         self._data = None
         self.ema = next((h for h in hooks if isinstance(h, EMAHook)), None)
+        self.recipe = resolve_augment(cfg)  # multi-scale sizes per step (the per-sample ops are dataset.transforms)
         self.register_hooks(hooks)
 
     def _forward(self, images, targets) -> tuple[torch.Tensor, dict]:
@@ -97,6 +98,15 @@ class Trainer(TrainerBase):
                             enabled=self.amp_dtype is not None):
             loss_dict = self.model(images, targets)
         return sum(loss_dict.values()), loss_dict
+
+    def _multi_scale(self, micro: list) -> list:
+        """``train.multi_scale``: the step's images (every micro-batch) resized to the step's drawn size, a function
+        of (seed, epoch, iteration) (`detpipe.data.train_transforms.step_size`; on the images' device)."""
+        if not self.recipe.multi_scale or not micro or not micro[0][0]:
+            return micro
+        base = int(max(micro[0][0][0].shape[-2:]))
+        size = step_size(self.recipe, self.cfg.seed, self.plan.locate(self.iter)[0], self.iter, base)
+        return micro if size is None else [resize_batch(images, targets, size) for images, targets in micro]
 
     def run_step(self) -> None:
         """One optimizer step over ``train.accumulate`` micro-batches (DDP syncs gradients on the last one).
@@ -113,6 +123,7 @@ class Trainer(TrainerBase):
         # denoising queries), which a resumed run continues exactly from the checkpoint's state.
         with torch.random.fork_rng(devices=[]):
             micro = next(self._data)
+        micro = self._multi_scale(micro)
         record_samples(self.iter, self.plan.locate(self.iter)[0], self.rank, self.world_size, micro)
         data_time = time.perf_counter() - t0
         self.loaded(micro)

@@ -208,7 +208,8 @@ def build_detector(cfg: Train, arrow_meta: Path = ARROW_META, cache_dir: Path = 
         ``(model, config, cache meta.json bytes)``: ``config`` is `model_config`'s dict.
     Raises:
         StageError: missing inputs (either ``meta.json``), unknown model, an SSD model on a cache of another size
-            (`model_kwargs`), a mask model, or ``train.copy_paste``, on a cache without masks.
+            (`model_kwargs`), a mask model, or ``train.copy_paste``, on a cache without masks; ``train.multi_scale``
+            for a model that takes one input size (`detpipe.models.family.Family.variable_input`).
     """
     from detpipe.data.dataset import check_cache_masks, uses_masks
     from detpipe.data.meta import read_cache_meta_bytes, read_meta
@@ -223,6 +224,12 @@ def build_detector(cfg: Train, arrow_meta: Path = ARROW_META, cache_dir: Path = 
         model = build_from_config(config)
     if uses_masks(model):  # Mask R-CNN: targets carry the cached instance masks
         check_cache_masks(cache_meta, cfg.model, f"{cache_root.split('?')[0]}/meta.json")
+    multi_scale = getattr(cfg, "multi_scale", None)
+    if multi_scale and not family_of(cfg.model).variable_input(cfg.model):
+        raise StageError(f"params.yaml: train.multi_scale {multi_scale}: model '{cfg.model}' takes one input size "
+                         f"(its own transform resizes every image to it again, {cache_meta.get('size')} px for SSD): "
+                         f"set train.multi_scale: null or 0, or use a model with variable input size "
+                         f"(rtdetr_v2_*, dfine_*)")
     copy_paste = getattr(cfg, "copy_paste", None)
     if copy_paste and not cache_meta.get("masks"):  # the preset never sets it: only the key turns it on
         raise StageError(f"params.yaml: train.copy_paste {copy_paste} needs instance masks, but "

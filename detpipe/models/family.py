@@ -34,6 +34,9 @@ class Family:
             parity gate compares.
         torch_export_supported: ``model -> bool``: torch.export can trace it.
         backbone_prefix: dotted prefix of the backbone's parameters (for ``backbone_lr_mult``).
+        variable_input: ``name -> bool``: the model trains on batches of another square size than the cache's
+            (``train.multi_scale``); False where its own transform resizes every input to one size again (SSD's
+            fixed 300/320, R-CNN's ``min_size``), which would undo the multi-scale sizes.
     """
     name: str
     owns: Callable[[str], bool]
@@ -48,6 +51,7 @@ class Family:
     raw_taps: Callable
     torch_export_supported: Callable
     backbone_prefix: str = "backbone."
+    variable_input: Callable[[str], bool] = lambda name: False
     notes: dict = field(default_factory=dict)
 
 

@@ -111,7 +111,9 @@ class HFDetector(nn.Module):
     """A transformers real-time DETR with torchvision detection's interface.
 
     ``forward(images, targets=None)``: ``images`` a list of ``float32 (3, H, W)`` RGB in [0, 1], all the same size
-    (a ``fixed`` augmentation cache; a different size is resized to ``size`` x ``size``, boxes scaled back).
+    (a ``fixed`` augmentation cache; a different size is resized to ``size`` x ``size``, boxes scaled back). In
+    train mode a batch of one square size that is a multiple of 32 goes in at that size (``train.multi_scale``:
+    RT-DETR's multi-scale training sizes; the anchors are generated for the input's size).
     Train mode with ``targets`` (list of ``{"boxes": float32 (N, 4) XYXY pixels, "labels": int64 (N,) 1..K}``):
     returns transformers' weighted loss terms (their sum is its ``loss``), plus ``loss_all_params`` = 0 x every
     trainable parameter, so that every parameter has a gradient on every rank even when a batch has no boxes (the
@@ -133,6 +135,9 @@ class HFDetector(nn.Module):
 
     def _batch(self, images: list[torch.Tensor]) -> tuple[torch.Tensor, list[tuple[int, int]]]:
         sizes = [(int(im.shape[-2]), int(im.shape[-1])) for im in images]
+        h, w = sizes[0]
+        if self.training and h == w and h % 32 == 0 and all(s == (h, w) for s in sizes):
+            return torch.stack(images), sizes  # multi-scale training: the batch's own size
         ims = [im if im.shape[-2:] == (self.size, self.size) else
                torch.nn.functional.interpolate(im[None], size=(self.size, self.size), mode="bilinear",
                                                align_corners=False)[0] for im in images]
@@ -217,6 +222,7 @@ RAW_TAPS = ("hf.model.enc_score_head", "hf.model.enc_bbox_head")
 
 TRANSFORMERS = register(Family(
     name="transformers", owns=owns, names=names, sizing="fixed", optimizer="adamw", backbone_lr_mult=0.1,
+    variable_input=lambda name: True,  # multi-scale training sizes (RT-DETR's BatchImageCollateFunction scales)
     default_augment=lambda name: "detr", model_kwargs=model_kwargs, build=build, uses_masks=lambda model: False,
     raw_taps=lambda model: list(RAW_TAPS), torch_export_supported=lambda model: False, backbone_prefix="hf.model.backbone.",
     notes={"sizing": "augment.resize fixed, augment.size a multiple of 32 (640 in the papers)"}))

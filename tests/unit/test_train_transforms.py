@@ -415,6 +415,7 @@ def test_default_preset_follows_the_model_and_keys_override_it():
     ({"augment": "flip", "mosaic": 1.0}, "train"),
     ({"augment": "flip", "copy_paste": 0.5}, "train"),
     ({"copy_paste": 2}, "train.copy_paste"),
+    ({"multi_scale": [300, 320]}, "train"),
     ({"augment": "yolo", "close_mosaic": 9, "epochs": 8}, "train"),
     ({"augment": "mosaic"}, "train.augment"),
     ({"mixup": 1.5}, "train.mixup"),
@@ -450,3 +451,86 @@ def test_each_rank_of_two_reads_the_samples_a_single_process_draws(cache):
                 seen += 1
         gen.close()
     assert seen == 2 * 2 * (len(ds) // 4) > 0
+
+
+# RT-DETRv2's configs/rtdetrv2/include/dataloader.yml, BatchImageCollateFuncion scales (base 640), distinct values
+RTDETRV2_SCALES = [480, 512, 544, 576, 608, 640, 640, 640, 672, 704, 736, 768, 800]
+
+
+def test_multi_scale_sizes_and_their_draw_per_step():
+    """The detr preset's fraction gives RT-DETRv2's scales around 640; the step's size is a function of (seed, epoch,
+    iteration): the same on every call (every rank, a resumed run), several sizes over a run, off in the closing
+    epoch (stop_augment), and a list is taken as given."""
+    assert tt.multi_scale_sizes(0.25, 640) == sorted(set(RTDETRV2_SCALES))
+    assert tt.multi_scale_sizes((320, 384), 640) == [320, 384]
+    recipe = tt.resolve(params_mod.Train(model="dfine_n", epochs=3))
+    assert (recipe.name, recipe.multi_scale, recipe.stop_augment) == ("detr", 0.25, 1)
+    draws = [tt.step_size(recipe, SEED, it // 10, it, 320) for it in range(30)]
+    assert draws == [tt.step_size(recipe, SEED, it // 10, it, 320) for it in range(30)]
+    assert all(d in tt.multi_scale_sizes(0.25, 320) for d in draws[:20]) and len(set(draws[:20])) >= 3
+    assert draws[20:] == [None] * 10  # the last epoch: no multi-scale, as RT-DETR's stop_epoch
+    assert draws != [tt.step_size(recipe, SEED + 1, it // 10, it, 320) for it in range(30)]
+    # a model with one input size never gets the preset's sizes
+    assert tt.resolve(params_mod.Train(model="ssdlite320_mobilenet_v3_large", augment="detr")).multi_scale == 0.0
+
+
+def test_resize_batch_equals_torchvisions_resize(masked):
+    """Boxes scale by size / side (written out), images and masks are v2 ``F.resize``'s (bilinear / nearest)."""
+    s = masked.cached_sample(0, 0)
+    image = _plain(s["image"]).float() / 255
+    target = {"boxes": _plain(s["boxes"]), "labels": s["labels"], "masks": _plain(s["masks"]), "image_id": 7}
+    h, w = image.shape[-2:]
+    images, targets = tt.resize_batch([image], [target], 256)
+    assert torch.equal(images[0], F.resize(image, [256, 256], antialias=True))
+    expect = target["boxes"] * torch.tensor([256 / w, 256 / h, 256 / w, 256 / h])
+    torch.testing.assert_close(targets[0]["boxes"], expect, rtol=0, atol=1e-4)
+    assert torch.equal(targets[0]["masks"], F.resize(target["masks"], [256, 256],
+                                                     interpolation=v2.InterpolationMode.NEAREST))
+    assert targets[0]["image_id"] == 7 and torch.equal(targets[0]["labels"], target["labels"])
+
+
+def test_the_trainer_resizes_each_step_to_its_drawn_size(masked):
+    """`Trainer._multi_scale` with a DETR's recipe: every micro-batch of the step at `step_size`'s size."""
+    from types import SimpleNamespace
+
+    from detpipe.engine.elastic import EpochPlan as Plan
+    from detpipe.engine.trainer import Trainer
+
+    cfg = params_mod.Train(model="dfine_n", epochs=2, seed=SEED)
+    recipe = tt.resolve(cfg)
+    it = next(k for k in range(4) if tt.step_size(recipe, SEED, 0, k, 320) != 320)  # a step drawn off the cache size
+    size = tt.step_size(recipe, SEED, 0, it, 320)
+    fake = SimpleNamespace(recipe=recipe, cfg=cfg, plan=Plan(4, 2), iter=it)
+    s = masked.cached_sample(0, 0)
+    batch = ([_plain(s["image"]).float() / 255] * 2, [{"boxes": _plain(s["boxes"]), "labels": s["labels"]}] * 2)
+    out = Trainer._multi_scale(fake, [batch, batch])
+    assert len(out) == 2
+    for images, targets in out:
+        assert [tuple(im.shape) for im in images] == [(3, size, size)] * 2
+        torch.testing.assert_close(targets[0]["boxes"], batch[1][0]["boxes"] * size / 320, rtol=0, atol=1e-4)
+    fake.iter = 6  # epoch 1 of 2: the closing epoch, batches as loaded
+    assert Trainer._multi_scale(fake, [batch]) == [batch]
+
+
+def test_multi_scale_on_a_fixed_size_model_is_one_line(cached_workdir):
+    from detpipe.models import build_detector
+
+    with pytest.raises(StageError) as e:
+        build_detector(params_mod.Train(multi_scale=[288, 320]), cached_workdir / "data/arrow/meta.json",
+                       cached_workdir / "data/cache", device="meta")
+    assert len(str(e.value).splitlines()) == 1 and "train.multi_scale" in str(e.value) \
+        and "ssdlite320_mobilenet_v3_large" in str(e.value), str(e.value)
+
+
+def test_a_detr_trains_on_the_steps_size_and_predicts_at_its_own():
+    """HFDetector: a train batch of one square multiple-of-32 size goes in at that size (multi-scale training), in
+    eval mode every image is resized to the model's size."""
+    from detpipe.models.transformers_family import build
+
+    model = build("rtdetr_v2_tiny", 3, size=320)
+    batch = [torch.rand(3, 256, 256), torch.rand(3, 256, 256)]
+    model.train()
+    assert model._batch(batch)[0].shape == (2, 3, 256, 256)
+    assert model._batch([torch.rand(3, 250, 250)])[0].shape == (1, 3, 320, 320)  # not a multiple of 32
+    model.eval()
+    assert model._batch(batch)[0].shape == (2, 3, 320, 320)
