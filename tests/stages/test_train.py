@@ -134,7 +134,8 @@ def test_kill9_and_sigterm_resume_is_bit_identical(cached_workdir, tmp_path):
 @pytest.mark.slow
 def test_kill9_resume_of_rtdetr_is_bit_identical(learns_detr_prepared, tmp_path):
     """The transformers family (rtdetr_v2_tiny on the learns test's 4 images at 128 px, AdamW, the family's
-    default `detr` augmentation with flips, denoising queries drawn each step): a run killed with kill -9 after
+    default `detr` augmentation with flips and its multi-scale sizes 96/128/160 px per step but in the last epoch,
+    denoising queries drawn each step): a run killed with kill -9 after
     its checkpoint at iteration 3 and resumed ends with the same weights and AdamW state (step, exp_avg,
     exp_avg_sq) as an uninterrupted run."""
     overrides = {"augment": LEARNS_DETR["augment"],
@@ -153,6 +154,12 @@ def test_kill9_resume_of_rtdetr_is_bit_identical(learns_detr_prepared, tmp_path)
     state = torch.load(checkpoints(straight)[-1], weights_only=True)["optimizer"]["state"]
     assert {"exp_avg", "exp_avg_sq"} <= set(next(iter(state.values())))
     assert assert_same_training_state(checkpoints(straight)[-1], checkpoints(killed)[-1]) == final_iter
+    # the run trained at several sizes (6 epochs of one step each; the last one at the cache's 128 px)
+    from detpipe import params as params_mod
+    from detpipe.data import train_transforms as tt
+    cfg = params_mod.Train(**overrides["train"])
+    sizes = [tt.step_size(tt.resolve(cfg), cfg.seed, it, it, 128) for it in range(final_iter)]
+    assert len(set(sizes[:-1])) > 1 and None not in sizes[:-1] and sizes[-1] is None, sizes
 
 
 @pytest.mark.slow
