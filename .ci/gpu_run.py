@@ -1,5 +1,5 @@
 """The GPU run in one call: install the bundle, print the versions, run the GPU tier and the two GPU benchmarks,
-each under its own time limit, all within 8 minutes; logs and one summary JSON go into OUT_DIR.
+each under its own time limit, all within 9 minutes; logs and one summary JSON go into OUT_DIR.
 
 Run from the repository root on the GPU machine (Python 3.12 with torch and torchvision; .gpu-bundle/ carried
 beside the working tree: `bash .ci/gpu_bundle.sh` builds it here):
@@ -18,7 +18,9 @@ Steps, in order (each one's limit is also capped by what is left of ``--budget``
    beside its log);
 5. ``gpu_train`` (90 s): ``python -m benchmarks.gpu_train --gpu-only`` (P7: our training images/s ÷ the torchvision
    reference recipe's, same GPU; goal >= 1.3);
-6. ``nvjpeg`` (40 s): ``python -m benchmarks.nvjpeg`` (the loader's nvJPEG row: GPU decode ÷ CPU decode images/s).
+6. ``nvjpeg`` (40 s): ``python -m benchmarks.nvjpeg`` (the loader's nvJPEG row: GPU decode ÷ CPU decode images/s);
+7. ``augment_loader`` (60 s): ``python -m benchmarks.augment_loader --device cuda --augment-device cuda`` (issue 46
+   item 4 on the GPU: loader images/s with each preset, augmented on the GPU, ÷ one ssdlite320 training step's).
 
 ``--only gpu_train,nvjpeg`` reruns some of steps 4-6 (after the three setup steps): a fixed step within the 15
 minutes a GPU is lent. Without CUDA (the dry run on a CPU machine) every step is still reached: the GPU tests skip with their reason and
@@ -26,7 +28,8 @@ the benchmarks print one line saying there is no CUDA. A step that runs past its
 process it started (its own process group) and recorded as ``timeout``; the next step still runs.
 
 Files in OUT_DIR (flat, at most 8 — what the device tool brings back): ``summary.json``, ``setup.log``
-(install, versions, imports), ``pytest_gpu.log``, ``pytest_gpu.xml``, ``gpu_train.log``, ``nvjpeg.log``.
+(install, versions, imports), ``pytest_gpu.log``, ``pytest_gpu.xml``, ``gpu_train.log``, ``nvjpeg.log``,
+``augment_loader.log``.
 Exit status 0 when no step failed or timed out, else 1.
 """
 from __future__ import annotations
@@ -43,14 +46,14 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-LATER = ("pytest_gpu", "gpu_train", "nvjpeg")  # the steps after install, versions and imports
+LATER = ("pytest_gpu", "gpu_train", "nvjpeg", "augment_loader")  # the steps after install, versions and imports
 BUNDLE = ROOT / ".gpu-bundle"
 
 # Every module the GPU steps import, in this process or the ones they start (stage CLIs, torchrun workers).
 MODULES = ["stages.convert", "stages.augment", "stages.train", "detpipe.engine.trainer", "detpipe.launch.jobs",
            "detpipe.launch.torchrun", "detpipe.data.dataset", "detpipe.data.convert", "detpipe.data.augment",
            "detpipe.evaluation.coco_metrics", "detpipe.models", "torch.distributed.run", "dvclive", "pytest",
-           "pytest_timeout", "benchmarks.gpu_train", "benchmarks.nvjpeg", "conftest", "support.pipeline",
+           "pytest_timeout", "benchmarks.gpu_train", "benchmarks.nvjpeg", "benchmarks.augment_loader", "conftest", "support.pipeline",
            "support.procs"]
 
 VERSIONS = r"""
@@ -110,7 +113,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path, help="folder for the logs and summary.json (created)")
     ap.add_argument("--site", type=Path, default=Path("/tmp/detpipe-site"), help="where the bundle is installed")
-    ap.add_argument("--budget", type=float, default=480, help="seconds for all steps together (8 minutes)")
+    ap.add_argument("--budget", type=float, default=540, help="seconds for all steps together (9 minutes)")
     ap.add_argument("--only", default="", help="comma-separated steps after the setup ones to run (a rerun of a "
                     f"fixed step): any of {','.join(LATER)}; default all")
     args = ap.parse_args()
@@ -160,6 +163,9 @@ def main() -> int:
                        "2", "--ref-workers", "4"], 90, r"^(ssdlite|round|reference recipe|ratio|gpu_train|device)"),
         "nvjpeg": ([py, "-m", "benchmarks.nvjpeg", "--batches", "20", "--rounds", "3"], 40,
                    r"^(NVIDIA|CPU decode|ratio|nvjpeg)"),
+        "augment_loader": ([py, "-m", "benchmarks.augment_loader", "--device", "cuda", "--augment-device", "cuda",
+                            "--min-seconds", "2", "--rounds", "1"], 60,
+                           r"^(training step|flip|ssd|detr|yolo|ratio|augment_loader)"),
     }
     for name in LATER:
         if name not in only:

@@ -14,6 +14,7 @@ and stepping, so the ratio says how much of each iteration the augmentation take
 the step itself); with workers it says whether they keep the step fed.
 
     python -m benchmarks.augment_loader [--images 128] [--batch-size 16] [--workers 0] [--device cpu|cuda]
+        [--augment-device cuda]
 
 Prints one row per preset (images/s, ratio) and as the last line ``ratio: <the smallest of ssd, detr and yolo>``
 (goal >= 1.5 on this 2-core machine).
@@ -48,10 +49,13 @@ def dataset(cache: Path, preset: str, epochs: int = 10) -> CachedDetectionDatase
     return ds
 
 
-def loader_images_per_s(cache: Path, preset: str, batch_size: int, workers: int, min_seconds: float) -> float:
+def loader_images_per_s(cache: Path, preset: str, batch_size: int, workers: int, min_seconds: float,
+                        augment_device: str | None = None) -> float:
     ds = dataset(cache, preset)
     sampler = ResumableDistributedSampler(len(ds), seed=0, shards=ds.sample_shards())
-    data = micro_batches(ds, sampler, (0, 0, 0), batch_size, 1, num_workers=workers)
+    device = torch.device(augment_device) if augment_device else None
+    data = micro_batches(ds, sampler, (0, 0, 0), batch_size, 1, num_workers=workers, decode_device=device,
+                         augment_device=device)
     try:
         next(data)
         n, t0 = 0, time.perf_counter()
@@ -100,8 +104,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="timed training steps (best counts)")
     ap.add_argument("--rounds", type=int, default=2, help="measurements per preset, alternating; best counts")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--augment-device", default=None, help="run the augmentation on this device in the training "
+                    "process (train.augment_device: cuda; the JPEG cache decoded there too); default: in the loader")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default, all cores)")
     args = ap.parse_args()
+    if "cuda" in (args.device + str(args.augment_device)) and not torch.cuda.is_available():
+        print("augment_loader: no CUDA here (--device / --augment-device cuda); nothing measured")
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
     with temporary_workdir(args.images) as work:
@@ -113,7 +122,7 @@ def main() -> None:
         for _ in range(args.rounds):
             for preset in PRESETS:
                 rates[preset] = max(rates[preset], loader_images_per_s(cache, preset, args.batch_size, args.workers,
-                                                                       args.min_seconds))
+                                                                       args.min_seconds, args.augment_device))
         ratios = {p: r / step for p, r in rates.items()}
         for preset in PRESETS:
             print(f"{preset}: loader {rates[preset]:.1f} images/s ({args.workers} workers), "

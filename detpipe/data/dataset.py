@@ -167,6 +167,7 @@ class CachedDetectionDataset(Dataset):
             raise StageError(f"{self._split_dir}/{INDEX_FILE}: unknown pixel encoding {self.encoding!r} "
                              f"(expected one of {ENCODINGS}; re-run the augment stage)")
         self.defer_decode = False
+        self.defer_augment = False  # set by micro_batches: the transforms run there, on the training device
         self.local_dir: str | None = None  # streamed shards: where the prefetcher puts them (`start_streaming`)
         self.prefetcher: ShardPrefetcher | None = None  # set by `start_streaming` (micro_batches) while it streams
         col = lambda name: table.column(name).to_numpy()  # noqa: E731
@@ -475,7 +476,12 @@ class CachedDetectionDataset(Dataset):
         deferred = self.defer_decode and self.encoding == "jpeg"
         labels = self._labels[self._lab_off[r]:self._lab_off[r + 1]]
         dropped = None
-        if self.transforms is not None and not deferred:
+        if self.defer_augment:  # `augment_batch` runs the transforms (and the flip) on the training device
+            target_extra = {"augment_at": torch.tensor([epoch, i], dtype=torch.int64), "hflip": torch.tensor(flip)}
+            flip = False
+        else:
+            target_extra = {}
+        if self.transforms is not None and not deferred and not self.defer_augment:
             sample = make_sample(u8, torch.from_numpy(np.array(boxes, dtype=np.float32)),
                                  torch.from_numpy(labels.copy()),
                                  None if masks is None else torch.from_numpy(np.ascontiguousarray(masks)))
@@ -494,6 +500,8 @@ class CachedDetectionDataset(Dataset):
                 masks = masks[:, :, ::-1]
         if deferred:
             image = u8
+        elif self.defer_augment:
+            image = u8.clone(memory_format=torch.contiguous_format)
         elif self.image_dtype == torch.uint8:
             image = u8.clone(memory_format=torch.contiguous_format) if image is None else image.copy_(u8)
         elif image is None:
@@ -516,8 +524,9 @@ class CachedDetectionDataset(Dataset):
             floats.copy_(torch.from_numpy(np.concatenate([self._scale[r], self._offset[r]])))
             target = {"boxes": boxes_out, "labels": labels_out, "image_id": ints[0], "scale": floats[0:2],
                       "offset": floats[2:4], "orig_size": ints[1:3]}
-        if deferred:
+        if deferred and not self.defer_augment:
             target["hflip"] = torch.tensor(flip)
+        target.update(target_extra)
         if dropped is not None:
             target["dropped"] = torch.tensor(dropped, dtype=torch.int64)
         if masks is not None:
@@ -527,6 +536,47 @@ class CachedDetectionDataset(Dataset):
                 masks_out.numpy()[...] = masks  # one strided copy (numpy takes the flip's negative strides)
                 target["masks"] = masks_out
         return image, target
+
+
+def augment_batch(dataset: CachedDetectionDataset, images: list[torch.Tensor], targets: list[dict],
+                  device: torch.device, encoded: bool = False) -> tuple[list[torch.Tensor], list[dict]]:
+    """``dataset.transforms`` on a batch the loader read without them (``defer_augment``), on ``device``: each
+    sample ``(epoch, i)`` (its target's ``augment_at``) is moved there (``encoded``: JPEG bytes, decoded there with
+    `decode_images`, nvJPEG on CUDA), augmented with the dataset's flip draw (``hflip``) and its mosaic / mixup /
+    copy-paste partners (`CachedDetectionDataset.cached_sample`, moved there), then scaled to float32 in [0, 1].
+    Same function and draws as the loader's path, so the output equals it on the CPU (tested) and up to the
+    device's arithmetic on CUDA.
+
+    Returns:
+        ``(images, targets)``: float32 ``(3, H, W)`` on ``device``; targets as `CachedDetectionDataset` gives
+        them with transforms (``boxes``, ``labels``, ``dropped``, ``masks`` with ``with_masks`` on ``device``).
+    """
+    from detpipe.data.train_transforms import make_sample
+
+    def to(sample: dict) -> dict:
+        return {k: v.to(device, non_blocking=True) for k, v in sample.items()}
+
+    def load(j: int, epoch: int) -> dict:
+        return to(dataset.cached_sample(j, epoch))
+
+    u8s = decode_images(images, device) if encoded else [im.to(device, non_blocking=True) for im in images]
+    out_images, out_targets = [], []
+    for u8, target in zip(u8s, targets):
+        target = dict(target)
+        epoch, i = (int(v) for v in target.pop("augment_at"))
+        flip = bool(target.pop("hflip"))
+        masks = target.pop("masks", None)
+        sample = make_sample(u8, target["boxes"].to(device), target["labels"].to(device),
+                             None if masks is None else masks.to(device))
+        sample, dropped = dataset.transforms(i, epoch, sample, flip, load)
+        out_images.append(sample["image"].as_subclass(torch.Tensor).float().mul_(1.0 / 255))
+        target["boxes"] = sample["boxes"].as_subclass(torch.Tensor)
+        target["labels"] = sample["labels"]
+        target["dropped"] = torch.tensor(dropped, dtype=torch.int64)
+        if dataset.with_masks:
+            target["masks"] = sample["masks"].as_subclass(torch.Tensor)
+        out_targets.append(target)
+    return out_images, out_targets
 
 
 def collate(batch: list[tuple[torch.Tensor, dict]]) -> tuple[list[torch.Tensor], list[dict]]:
@@ -603,7 +653,7 @@ def _one_line(e: Exception) -> str:
 def micro_batches(dataset: CachedDetectionDataset, sampler: ResumableDistributedSampler,
                   position: tuple[int, int, int], batch_size: int, accumulate: int, num_workers: int = 0,
                   pin_memory: bool = False, local_dir: str | None = None, local_bytes: int = 2 * 10**9,
-                  decode_device: torch.device | None = None,
+                  decode_device: torch.device | None = None, augment_device: torch.device | None = None,
                   ) -> Iterator[list[tuple[list[torch.Tensor], list[dict]]]]:
     """Endless training input from ``position`` on: each item is one optimizer step's list of ``accumulate``
     micro-batches ``(images, targets)`` as `collate` returns them (this rank's share).
@@ -623,17 +673,23 @@ def micro_batches(dataset: CachedDetectionDataset, sampler: ResumableDistributed
     rank will need, in the order of the plan, into ``local_dir`` (None: a temporary folder), holding at most about
     ``local_bytes`` bytes, and deletes each once its last sample is consumed; the dataset memory-maps the copies.
     ``decode_device`` (a CUDA device) decodes a JPEG cache's images there (`decode_images`) instead of in the
-    loader; images then arrive as float32 on that device. Not with ``dataset.transforms`` (train-time
-    augmentation): those samples are decoded and augmented in the loader (CPU workers).
+    loader; images then arrive as float32 on that device. With ``dataset.transforms`` (train-time augmentation) the
+    samples are augmented in the loader (CPU workers), unless ``augment_device`` is given: then the loader only
+    reads, and `augment_batch` decodes (nvJPEG on CUDA) and runs the same transforms on that device in this
+    process (``train.augment_device``; the same draws, so the same batches up to the device's arithmetic).
 
     Raises:
         StageError: one line from the data (unreadable or missing shard, naming its path or URL).
     """
     step = batch_size * accumulate
     epoch, start, offset = position
+    on_device = augment_device is not None and dataset.transforms is not None
+    if on_device:
+        decode_device = augment_device
     defer = decode_device is not None and torch.device(decode_device).type == "cuda" and dataset.encoding == "jpeg" \
-        and dataset.transforms is None  # augmentation runs on the decoded pixels in the loader
+        and (dataset.transforms is None or on_device)  # else augmentation runs on the decoded pixels in the loader
     dataset.defer_decode = defer
+    dataset.defer_augment = on_device
     shards = dataset.sample_shards()
     lookahead = batch_size * (max(1, num_workers) * 2 + 2)  # DataLoader read-ahead: prefetch_factor 2/worker
     prefetcher = dataset.start_streaming((shards[np.asarray(ix, dtype=np.int64)]
@@ -653,7 +709,9 @@ def micro_batches(dataset: CachedDetectionDataset, sampler: ResumableDistributed
                 if prefetcher.error:
                     raise StageError(prefetcher.error)
                 prefetcher.consumed(consumed)
-            if defer:
+            if on_device:
+                images, targets = augment_batch(dataset, images, targets, torch.device(augment_device), defer)
+            elif defer:
                 flips = [bool(t.pop("hflip")) for t in targets]
                 images = [(im.flip(-1) if f else im).float().mul_(1 / 255)
                           for im, f in zip(decode_images(images, decode_device), flips)]
@@ -666,3 +724,4 @@ def micro_batches(dataset: CachedDetectionDataset, sampler: ResumableDistributed
         if prefetcher is not None:
             dataset.stop_streaming()
         dataset.defer_decode = False
+        dataset.defer_augment = False

@@ -254,7 +254,8 @@ def mosaic(tiles: list[Sample], centre: tuple[float, float], size: tuple[int, in
     h, w = size
     cx, cy = int(centre[0]), int(centre[1])
     corners = [(cx - w, cy - h), (cx, cy - h), (cx - w, cy), (cx, cy)]
-    image = torch.tensor(fill, dtype=torch.uint8).view(3, 1, 1).expand(3, 2 * h, 2 * w).clone()
+    device = tiles[0]["image"].device
+    image = torch.tensor(fill, dtype=torch.uint8, device=device).view(3, 1, 1).expand(3, 2 * h, 2 * w).clone()
     boxes, labels, masks = [], [], []
     for tile, (x0, y0) in zip(tiles, corners):
         moved = {k: (F.crop(v, -y0, -x0, 2 * h, 2 * w) if k != "labels" else v) for k, v in tile.items()}
@@ -284,7 +285,7 @@ def _occluded_boxes(boxes: torch.Tensor, masks: torch.Tensor, occluded: torch.Te
 
     boxes = boxes.clone()
     if bool(occluded.any()):
-        boxes[occluded] = masks_to_boxes(masks[occluded]) + torch.tensor([0.0, 0.0, 1.0, 1.0])
+        boxes[occluded] = masks_to_boxes(masks[occluded]) + torch.tensor([0.0, 0.0, 1.0, 1.0], device=boxes.device)
     return boxes
 
 
@@ -439,7 +440,7 @@ class TrainTransforms:
                 if "masks" not in out:
                     raise ValueError("train.copy_paste needs samples with instance masks")
                 src = _to_size(load(int(rng.integers(0, self.n)), epoch), size)
-                pick = torch.from_numpy(rng.random(len(src["labels"])) < 0.5)
+                pick = torch.from_numpy(rng.random(len(src["labels"])) < 0.5).to(src["labels"].device)
                 out, _ = copy_paste(out, src, pick)
                 pasted = int(pick.sum())
         if "masks" in out:  # an object whose mask a shrinking op sampled away has nothing left to learn from

@@ -87,6 +87,10 @@ class Trainer(TrainerBase):
         self._data = None
         self.ema = next((h for h in hooks if isinstance(h, EMAHook)), None)
         self.recipe = resolve_augment(cfg)  # multi-scale sizes per step (the per-sample ops are dataset.transforms)
+        if cfg.augment_device == "cuda" and device.type != "cuda":
+            raise StageError(f"params.yaml: train.augment_device cuda needs training on CUDA (this process trains "
+                             f"on {device.type}): set train.augment_device: auto or cpu")
+        self.augment_device = device if cfg.augment_device != "cpu" and device.type == "cuda" else None
         self.register_hooks(hooks)
 
     def _forward(self, images, targets) -> tuple[torch.Tensor, dict]:
@@ -116,7 +120,8 @@ class Trainer(TrainerBase):
             self._data = micro_batches(self.dataset, self.sampler, self.plan.locate(self.iter),
                                        self.cfg.batch_size, self.cfg.accumulate, self.cfg.num_workers,
                                        pin_memory=self.device.type == "cuda", local_dir=self.cfg.cache_local_dir,
-                                       local_bytes=self.cfg.cache_local_bytes, decode_device=self.device)
+                                       local_bytes=self.cfg.cache_local_bytes, decode_device=self.device,
+                                       augment_device=self.augment_device)
         # Loading leaves torch's global RNG as it was: the DataLoader draws its base seed from it when its iterator
         # starts (at the first batch of a fresh run, but after the RNG states were restored in a resumed one), and
         # the transforms seed their own. The global RNG is then the model's alone (RT-DETR's and D-FINE's

@@ -11,6 +11,8 @@ and covers what only CUDA has:
   two or more, the process group is nccl (NCCL's own log lines) and every rank ends with the same weights;
 * `test_gpu_jpeg_decode_in_the_loader`: a JPEG cache is decoded by nvJPEG on the GPU inside `micro_batches` (flips
   applied after decoding), matching the CPU (libjpeg-turbo) decode within torchvision's own bound;
+* `test_augmentation_on_the_gpu_draws_what_the_loader_draws`: ``train.augment_device: cuda`` (nvJPEG decode and
+  the v2 transforms on the GPU in the training process) draws the CPU loader's boxes, labels and drops;
 * `test_channels_last_and_compile`: channels_last and torch.compile train a few iterations with finite losses and
   write checkpoints that load into a fresh model;
 * `test_deterministic_exact_resume`: with ``train.deterministic`` a run killed (-9) after a checkpoint and resumed
@@ -273,6 +275,44 @@ def test_gpu_jpeg_decode_in_the_loader(cached_workdir):
         # the bound discriminates: the unflipped image's luma is far from the flipped one's
         assert float((_luma(g) - _luma(c).flip(-1)).abs().mean()) > FLIP_MARGIN * JPEG_MEAN_ABS_BOUND, \
             int(tg["image_id"])
+
+
+@pytest.mark.parametrize("preset", ["ssd", "yolo"])
+def test_augmentation_on_the_gpu_draws_what_the_loader_draws(cached_workdir, preset):
+    """``train.augment_device: cuda``: `micro_batches` with ``augment_device`` = the GPU decodes the JPEG cache with
+    nvJPEG and runs the train-time transforms there (ssd: zoom-out, IoU crop, flip; yolo: mosaic, affine, mixup,
+    flip; the colour ops off, as they amplify the decoders' difference). The draws are the loader's: boxes equal
+    the CPU loader's within 1e-3 px, labels and dropped counts equal; the pixels differ by the decoders only (luma
+    within 2 x `JPEG_MEAN_ABS_BOUND` per image); the images are float32 on the GPU."""
+    import dataclasses
+
+    from detpipe.data import train_transforms as tt
+    from detpipe.data.dataset import CachedDetectionDataset, ResumableDistributedSampler, micro_batches
+
+    over = {"photometric": 0.0, **({"mixup": 0.5} if preset == "yolo" else {})}
+
+    def two_steps(augment_device):
+        dataset = CachedDetectionDataset(cached_workdir / "data/cache", "train", hflip=0.5, seed=0)
+        dataset.transforms = tt.TrainTransforms(dataclasses.replace(tt.resolve_preset(preset, 3), **over), 0,
+                                                len(dataset))
+        sampler = ResumableDistributedSampler(len(dataset), seed=0, shards=dataset.sample_shards())
+        steps = micro_batches(dataset, sampler, (0, 0, 0), 4, 1, augment_device=augment_device)
+        try:
+            batches = [next(steps)[0] for _ in range(2)]
+        finally:
+            steps.close()
+        return [im for images, _ in batches for im in images], [t for _, targets in batches for t in targets]
+
+    gpu_images, gpu_targets = two_steps(torch.device(DEVICE_TYPE, 0))
+    cpu_images, cpu_targets = two_steps(None)
+    assert len(gpu_images) == len(cpu_images) == 8
+    for g, c, tg, tc in zip(gpu_images, cpu_images, gpu_targets, cpu_targets):
+        assert g.device.type == DEVICE_TYPE and g.dtype == torch.float32 and g.shape == c.shape
+        assert tg.keys() == tc.keys()
+        torch.testing.assert_close(tg["boxes"].cpu(), tc["boxes"], rtol=0, atol=1e-3)
+        assert torch.equal(tg["labels"].cpu(), tc["labels"]) and int(tg["dropped"]) == int(tc["dropped"])
+        luma = float((_luma(g.cpu()) - _luma(c)).abs().mean())
+        assert luma < 2 * JPEG_MEAN_ABS_BOUND, (int(tg["image_id"]), luma * 255)
 
 
 # ---------------------------------------------------------------------------------------------- channels_last, compile

@@ -534,3 +534,26 @@ def test_a_detr_trains_on_the_steps_size_and_predicts_at_its_own():
     assert model._batch([torch.rand(3, 250, 250)])[0].shape == (1, 3, 320, 320)  # not a multiple of 32
     model.eval()
     assert model._batch(batch)[0].shape == (2, 3, 320, 320)
+
+
+@pytest.mark.parametrize("preset", ["ssd", "yolo"])
+def test_augmenting_in_the_training_process_equals_the_loader(cache, preset):
+    """``train.augment_device``: `augment_batch` (the loader only reads; the same transforms run in the training
+    process on the training device) gives exactly the loader path's batches on the CPU — images, boxes, labels,
+    dropped counts — for the ssd ops and for mosaic + mixup + copy-paste; so on CUDA only the device's arithmetic
+    differs (tests/system/test_gpu.py compares the two there)."""
+    ds = CachedDetectionDataset(cache, "train", hflip=0.5, seed=SEED)
+    over = {"mixup": 0.5, "copy_paste": 0.5} if preset == "yolo" else {}
+    ds.transforms = tt.TrainTransforms(dataclasses.replace(tt.resolve_preset(preset, 3), **over), SEED, len(ds))
+    batches = {}
+    for device in (None, torch.device("cpu")):
+        sampler = ResumableDistributedSampler(len(ds), seed=SEED, shards=ds.sample_shards())
+        gen = micro_batches(ds, sampler, (1, 0, 0), 4, 1, augment_device=device)
+        batches[device] = [next(gen)[0] for _ in range(2)]
+        gen.close()
+        assert not ds.defer_augment
+    for (ia, ta), (ib, tb) in zip(batches[None], batches[torch.device("cpu")]):
+        assert all(torch.equal(x, y) for x, y in zip(ia, ib))
+        for x, y in zip(ta, tb):
+            assert x.keys() == y.keys(), (sorted(x), sorted(y))
+            assert all(torch.equal(x[k], y[k]) for k in x), [k for k in x if not torch.equal(x[k], y[k])]
