@@ -10,6 +10,11 @@ evaluate stage (COCO AP@[.5:.95] and AP50 on val, ``metrics/eval.json``). Same n
 preset ("same CPU budget" up to the loader's extra cost, which each row reports as wall seconds).
 
     python -m benchmarks.augment_quality [--images 128] [--epochs 15] [--presets ssd detr yolo]
+        [--categories person] [--batch-size 16]
+
+``--categories``: keep only those COCO categories' boxes (every image stays; the others become negatives): one
+class (person: 259 of COCO128's 929 boxes) is a shorter learning problem, so AP leaves 0 within a CPU budget that
+80 classes from random init do not (48 steps: every AP ~0, docs/measurements.md).
 
 Prints one row per preset (AP, AP50, train seconds) and as the last line ``ratio: <best preset AP / flip AP>``
 (goal >= 1.3; ``nan`` when flip's AP is 0).
