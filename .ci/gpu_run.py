@@ -51,7 +51,7 @@ MODULES = ["stages.convert", "stages.augment", "stages.train", "detpipe.engine.t
            "detpipe.launch.torchrun", "detpipe.data.dataset", "detpipe.data.convert", "detpipe.data.augment",
            "detpipe.evaluation.coco_metrics", "detpipe.models", "torch.distributed.run", "dvclive", "pytest",
            "pytest_timeout", "benchmarks.gpu_train", "benchmarks.nvjpeg", "conftest", "support.pipeline",
-           "support.procs"]
+           "support.procs", "transformers", "detpipe.models.transformers_family"]
 
 VERSIONS = r"""
 import json, platform, torch, torchvision
