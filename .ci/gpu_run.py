@@ -16,8 +16,9 @@ Steps, in order (each one's limit is also capped by what is left of ``--budget``
    here, naming the module, not half-way through a test);
 4. ``pytest_gpu`` (330 s): ``python -m pytest -m gpu tests/system/test_gpu.py``, 150 s at most per test (JUnit XML
    beside its log);
-5. ``gpu_train`` (90 s): ``python -m benchmarks.gpu_train --gpu-only`` (P7: our training images/s ÷ the torchvision
-   reference recipe's, same GPU; goal >= 1.3);
+5. ``gpu_train`` (120 s): ``python -m benchmarks.gpu_train --gpu-only`` (P7: our training images/s ÷ the torchvision
+   reference recipe's, same GPU; goal >= 1.3), then ``rtdetr_v2_r18vd`` trained by our loop for 300 timed
+   iterations with AMP bf16, its images/s printed beside the reference recipe's (issue 45);
 6. ``nvjpeg`` (40 s): ``python -m benchmarks.nvjpeg`` (the loader's nvJPEG row: GPU decode ÷ CPU decode images/s);
 7. ``augment_loader`` (60 s): ``python -m benchmarks.augment_loader --device cuda --augment-device cuda`` (issue 46
    item 4 on the GPU: loader images/s with each preset, augmented on the GPU, ÷ one ssdlite320 training step's).
@@ -53,8 +54,8 @@ BUNDLE = ROOT / ".gpu-bundle"
 MODULES = ["stages.convert", "stages.augment", "stages.train", "detpipe.engine.trainer", "detpipe.launch.jobs",
            "detpipe.launch.torchrun", "detpipe.data.dataset", "detpipe.data.convert", "detpipe.data.augment",
            "detpipe.evaluation.coco_metrics", "detpipe.models", "torch.distributed.run", "dvclive", "pytest",
-           "pytest_timeout", "benchmarks.gpu_train", "benchmarks.nvjpeg", "benchmarks.augment_loader", "conftest", "support.pipeline",
-           "support.procs"]
+           "pytest_timeout", "benchmarks.gpu_train", "benchmarks.nvjpeg", "benchmarks.augment_loader", "conftest",
+           "support.pipeline", "support.procs", "transformers", "detpipe.models.transformers_family"]
 
 VERSIONS = r"""
 import json, platform, torch, torchvision
@@ -160,7 +161,9 @@ def main() -> int:
                         f"--junitxml={out / 'pytest_gpu.xml'}", "tests/system/test_gpu.py"], 330,
                        r"(PASSED|FAILED|SKIPPED|ERROR)|=+ .*(passed|failed|skipped|error).* =+$"),
         "gpu_train": ([py, "-m", "benchmarks.gpu_train", "--gpu-only", "--iters", "20", "--warmup", "5", "--rounds",
-                       "2", "--ref-workers", "4"], 90, r"^(ssdlite|round|reference recipe|ratio|gpu_train|device)"),
+                       "2", "--ref-workers", "4", "--family-model", "rtdetr_v2_r18vd", "--family-iters", "300",
+                       "--family-amp", "bf16"], 120,
+                      r"^(ssdlite|round|reference recipe|family|ratio|gpu_train|device)"),
         "nvjpeg": ([py, "-m", "benchmarks.nvjpeg", "--batches", "20", "--rounds", "3"], 40,
                    r"^(NVIDIA|CPU decode|ratio|nvjpeg)"),
         "augment_loader": ([py, "-m", "benchmarks.augment_loader", "--device", "cuda", "--augment-device", "cuda",

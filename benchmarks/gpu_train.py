@@ -40,6 +40,13 @@ does on CPU); the goal is for a GPU.
 
     python -m benchmarks.gpu_train [--images 128] [--batch-size 16] [--iters 30] [--warmup 5] [--rounds 2]
                                    [--ref-workers 4] [--workers 0] [--amp on|off] [--threads 0] [--gpu-only]
+                                   [--family-model rtdetr_v2_r18vd] [--family-iters 200] [--family-amp bf16]
+
+``--family-model`` (issue 45): after the rounds, our loop also trains that model of another family (the
+transformers family's RT-DETRv2 / D-FINE: its recipe, AdamW at lr 1e-4 and weight decay 1e-4, ``train.optimizer:
+auto``, the same cache, batch and 320 px input) for ``--family-iters`` timed iterations with ``train.amp``
+``--family-amp`` (bf16 by default; off on CPU), and prints its images/s beside the reference recipe's (the
+torchvision model above): a row, not part of the ratio (the reference recipe cannot train that model).
 
 ``--gpu-only`` (what .ci/gpu_run.py passes): without CUDA, one line saying so instead of a CPU figure.
 
@@ -205,6 +212,13 @@ def main() -> None:
                     help="fp16 AMP on both sides (reference --amp, our train.amp: fp16); always off on CPU")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (our train.threads; 0 = cores)")
     ap.add_argument("--keep", action="store_true", help="keep the temporary working directory")
+    ap.add_argument("--family-model", default="",
+                    help="also time our loop training this model of another family (e.g. rtdetr_v2_r18vd) with its "
+                         "recipe (AdamW lr 1e-4, weight decay 1e-4) and AMP --family-amp, printed beside the "
+                         "reference recipe's images/s (not in the ratio); empty: skip")
+    ap.add_argument("--family-iters", type=int, default=200, help="timed iterations of --family-model (one round)")
+    ap.add_argument("--family-amp", choices=("bf16", "fp16", "off"), default="bf16",
+                    help="--family-model's train.amp on a GPU (off on CPU)")
     ap.add_argument("--gpu-only", action="store_true",
                     help="without CUDA print one line and stop instead of measuring a CPU figure (.ci/gpu_run.py)")
     args = ap.parse_args()
@@ -242,6 +256,14 @@ def main() -> None:
         ratio = best["ours"] / best["reference"]
         print(f"reference recipe (CocoDetection + v2 hflip preset, model resizes): {best['reference']:.1f} images/s; "
               f"our train loop (cache + micro_batches + hooks): {best['ours']:.1f} images/s")
+        if args.family_model:
+            family_amp = args.family_amp if device.type == "cuda" else "off"
+            fam = params_mod.Train.model_validate({**cfg.model_dump(), "model": args.family_model, "lr": 1e-4,
+                                                   "weight_decay": 1e-4, "optimizer": "auto", "amp": family_amp})
+            fam_ips = ours(work, fam, args.family_iters, args.warmup, device)
+            print(f"family {fam.model} (our loop, AdamW lr 1e-4, AMP {family_amp}, {args.family_iters} timed "
+                  f"iterations): {fam_ips:.1f} images/s; {fam_ips / best['reference']:.3f}x the reference recipe's "
+                  f"{cfg.model}", flush=True)
         if device.type != "cuda":
             print("device: cpu (no CUDA available): this is a CPU figure, not the GPU figure the goal (>= 1.3) is for")
         print(f"ratio: {ratio:.3f}")

@@ -116,11 +116,10 @@ prebuild.register("learns_detr[labels+1]", _detr_trained_on_broken_cache, fixtur
 
 
 def _dfine_trained_on_broken_cache(factory):
-    """As `_detr_trained_on_broken_cache`, for D-FINE (`support.pipeline.LEARNS_DFINE`)."""
-    from support.pipeline import LEARNS_DFINE, make_learns_detr_workdir
-
-    work = make_learns_detr_workdir(prebuild.get("learns_prepared"), factory.mktemp("learns_dfine_broken") / "w",
-                                    LEARNS_DFINE)
+    """As `_detr_trained_on_broken_cache`, for D-FINE: `learns_dfine_prepared` (`support.pipeline.LEARNS_DFINE`,
+    the cache the clean fixture trains on) copied, not augmented again."""
+    work = factory.mktemp("learns_dfine_broken") / "w"
+    shutil.copytree(prebuild.get("learns_dfine_prepared"), work)
     corrupt_train_cache(work, "labels+1")
     stage_cli("train", work, timeout=1800)
     stage_cli("evaluate", work)

@@ -1,7 +1,8 @@
 """The transformers family (RT-DETRv2, issue 45) through the stages after training: the session fixture
 `fitted_detr_workdir` (rtdetr_v2_tiny trained by the real train stage on the learns test's 4 images at 128 px until
 it fits them, AP50 >= 0.9 by the real evaluate stage: tests/stages/test_learns.py) exported by the real export
-stage (ONNX behind the parity gate; torch.export declared unsupported for the family), then
+stage (ONNX and OpenVINO behind the parity gate, int8 behind the accuracy gate; torch.export declared unsupported
+for the family), then
 ``python -m detpipe.predict`` and ``python -m detpipe.serve`` on the exported ONNX file.
 
 What is proven: the export stage passes its gate with this family and says why torch.export is absent; predict's
@@ -19,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from support.pipeline import LEARNS_IMAGE_IDS, stage_cli
+from support.pipeline import LEARNS_IMAGE_IDS, set_params, stage_cli
 from support.procs import run
 from support.serve import results_differ, running_server
 
@@ -29,9 +30,10 @@ AP50_MIN = 0.9      # as tests/stages/test_learns.py's DETR_AP50_MIN: the same i
 @pytest.fixture(scope="module")
 def detr_exported(fitted_detr_workdir, tmp_path_factory) -> Path:
     """A copy of `fitted_detr_workdir` after the real export stage with the default params (torch.export asked
-    for: the family declines it)."""
+    for: the family declines it) and ``export.formats: [openvino, int8]`` (issue 45 item 4)."""
     work = tmp_path_factory.mktemp("detr_export") / "w"
     shutil.copytree(fitted_detr_workdir, work)
+    set_params(work, {"export": {"formats": ["openvino", "int8"]}})
     proc = stage_cli("export", work)
     assert "Traceback" not in proc.stderr
     return work
@@ -84,6 +86,32 @@ def test_export_and_predict_on_onnx(detr_exported, tmp_path):
                       [dict(p, image_id=ids[p["file_name"]]) for p in preds])
     print(f"rtdetr_v2_tiny via ONNX + predict: AP50 {ap50:.3f}, {len(preds)} detections")
     assert ap50 >= AP50_MIN, f"predict on the exported ONNX: AP50 {ap50:.3f}"
+
+
+@pytest.mark.slow
+def test_openvino_and_int8_pass_their_gates(detr_exported):
+    """``export.formats: [openvino, int8]`` with the transformers family: the OpenVINO IR passes the same raw-output
+    parity gate as the ONNX file (the encoder's class and box heads on every val image, within ``export.rtol``), and
+    the int8 QDQ file passes the accuracy gate (val AP and AP50 by the evaluate stage's COCO code at most
+    ``export.max_ap_drop`` below eager's, detections >= ``export.count_score`` within ``export.max_count_ratio``);
+    the int8 file is really quantized (its raw outputs differ from eager's by more than the parity tolerance) and
+    both files are written; `metrics/export.json` says ``pass`` for all three."""
+    work = detr_exported
+    report = json.loads((work / "models" / "export_report.json").read_text())
+    ov, q = report["formats"]["openvino"], report["formats"]["int8"]
+    assert ov["gate"] == "parity" and ov["raw"]["ok"] and ov["raw"]["compared"] > 0, ov
+    assert ov["raw"]["max_rel_diff"] <= report["rtol"], ov
+    assert all((work / "models" / "openvino" / f).is_file() for f in ("model.xml", "model.bin"))
+    assert q["gate"] == "accuracy" and q["ok"] and q["accuracy"]["ok"] and q["scores"]["ok"], q
+    assert q["accuracy"]["drop"]["AP"] <= 0.02 and q["accuracy"]["drop"]["AP50"] <= 0.02, q["accuracy"]
+    assert q["accuracy"]["int8"]["AP50"] >= AP50_MIN, q["accuracy"]
+    assert q["raw_figures"]["max_rel_diff"] > report["rtol"], q["raw_figures"]     # int8, not a float copy
+    assert (work / "models" / "int8" / "model.int8.onnx").is_file()
+    gates = json.loads((work / "metrics" / "export.json").read_text())["gate"]
+    assert gates == {"onnx": "pass", "openvino": "pass", "int8": "pass"}, gates
+    print(f"openvino max rel diff {ov['raw']['max_rel_diff']:.1e}; int8 AP {q['accuracy']['int8']['AP']:.4f} "
+          f"(eager {q['accuracy']['eager']['AP']:.4f}), AP50 {q['accuracy']['int8']['AP50']:.3f}, "
+          f"quantize {q['seconds']['quantize']:.1f} s")
 
 
 @pytest.mark.slow
