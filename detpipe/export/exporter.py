@@ -524,13 +524,7 @@ boxes, scores, labels = (result[compiled.output(name)] for name in ('boxes', 'sc
 {% endif %}
 {% if 'int8' in report['formats'] and report['formats']['int8'].get('written', True) %}
 
-{% if 'kept_float' in report['formats']['int8']['quantizer'] %}
-The int8 file (NNCF's QDQ layout, made for OpenVINO: its metadata `detpipe.runtime: openvino`) runs like the IR above
-(`core.compile_model('models/int8/model.int8.onnx', 'CPU', {'INFERENCE_PRECISION_HINT': 'f32'})`); onnxruntime runs
-it too, with the same outputs, at a quarter of the speed.
-{% else %}
 The int8 file runs like `model.onnx` (`ort.InferenceSession('models/int8/model.int8.onnx', ...)`).
-{% endif %}
 {% endif %}
 """
 

@@ -28,7 +28,6 @@ import torch
 from detpipe.errors import StageError
 
 log = logging.getLogger(__name__)
-RUNTIME_KEY = "detpipe.runtime"   # ONNX metadata_props key: the runtime an int8 file is meant for (`int8_runtime`)
 SCORE_OUTPUT_HINTS = ("cls", "logits", "score", "objectness", "ctrness")
 
 
@@ -133,49 +132,12 @@ def quantize_accuracy_control(onnx_path: Path, out_path: Path, calibration: list
             reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
             raise StageError(f"{onnx_path}: NNCF could not quantize it ({type(e).__name__}: {reason})") from None
         first = onnx.load(str(Path(inter) / "intermediate_model.onnx"))
-    del quantized.metadata_props[:]
-    quantized.metadata_props.add(key=RUNTIME_KEY, value="openvino")
     onnx.save(quantized, str(out_path))
     kept = float_layers(quantized, layers)
     plain_kept = set(float_layers(first, layers))
-    return {"method": "accuracy_control (NNCF quantize_with_accuracy_control, ONNX QDQ, run by OpenVINO)", "layers": len(layers),
+    return {"method": "accuracy_control (NNCF quantize_with_accuracy_control, ONNX QDQ)", "layers": len(layers),
             "quantized_layers": len(layers) - len(kept), "kept_float": kept,
             "reverted": [n for n in kept if n not in plain_kept], "score_head": score_head, "metric": measured}
-
-
-def int8_runtime(path: Path) -> str:
-    """The runtime an int8 ONNX file is meant for: ``"openvino"`` when its ``metadata_props`` say so
-    (`RUNTIME_KEY`, written by `quantize_accuracy_control`), else ``"onnxruntime"`` (the plain quantizer's file).
-
-    Why two: NNCF lays its QDQ graph out for OpenVINO (quantizers on the inputs of a ``Conv``, none between it and
-    its h-swish, signed int8 activations wherever the range goes below 0, per-channel activation scales before
-    depthwise convolutions); OpenVINO fuses those into int8 kernels, onnxruntime cannot turn most of them into
-    ``QLinearConv`` and runs them as float ``Conv`` after a ``DequantizeLinear`` at every call. Measured on the
-    learns-fitted model's accuracy-controlled file (2026-11-29, load ~14): onnxruntime 3.7 images/s (profile: 16 of
-    82 network convolutions fused, 66 float with 187 ``DequantizeLinear``), OpenVINO 18.6 images/s on the same
-    file, float ONNX 8.4 (docs/export.md)."""
-    import onnx
-
-    model = onnx.load(str(path), load_external_data=False)
-    meta = {p.key: p.value for p in model.metadata_props}
-    return "openvino" if meta.get(RUNTIME_KEY) == "openvino" else "onnxruntime"
-
-
-def int8_runner(path: Path, names: list[str] | None = None) -> Callable:
-    """A runner over an int8 ONNX file in its runtime (`int8_runtime`): OpenVINO's CPU plugin
-    (`detpipe.export.formats.openvino_runner`, outputs ``names`` or the file's order) or onnxruntime
-    (`detpipe.export.formats.int8_session`): ``float32 (3, H, W)`` tensor -> numpy outputs.
-
-    Raises:
-        StageError: OpenVINO: an output of ``names`` is not in the file.
-    """
-    from detpipe.export.formats import int8_session, openvino_runner
-
-    if int8_runtime(path) == "openvino":
-        return openvino_runner(path, names)
-    session = int8_session(path)
-    wanted = names or None
-    return lambda im: session.run(wanted, {"image": np.ascontiguousarray(im.numpy())})
 
 
 def onnx_runner(model) -> Callable:
@@ -248,4 +210,3 @@ def score_figures(results: list[dict], count_score: float) -> dict:
     q = (lambda p: float(np.percentile(scores, p))) if len(scores) else (lambda p: None)
     return {"count": int((scores >= count_score).sum()), "total": int(len(scores)), "p50": q(50), "p90": q(90),
             "p99": q(99), "max": float(scores.max()) if len(scores) else None}
-

@@ -181,12 +181,12 @@ def _int8(tmp: Path, cfg: params_mod.Export, eager_wrapper: DetectionExport, eag
         int8, ``count_ratio``, ``max_count_ratio``, ``ok``), ``quantizer`` (method; accuracy control: the layers
         kept float and reverted), ``calibration_images``, ``val_images`` and the raw-output figures (not gated).
     """
+    import onnx
+
     from detpipe.data.meta import read_meta
     from detpipe.evaluation.detections import label_to_category_id
     from detpipe.evaluation.ground_truth import gt_from_arrow
-    import onnx
-
-    from detpipe.export.quantize import (ap_metric, count_check, int8_runner, quantize_accuracy_control,
+    from detpipe.export.quantize import (ap_metric, count_check, onnx_runner, quantize_accuracy_control,
                                          score_figures, score_head_nodes)
 
     t0 = time.perf_counter()
@@ -221,7 +221,7 @@ def _int8(tmp: Path, cfg: params_mod.Export, eager_wrapper: DetectionExport, eag
         quantizer = quantize_accuracy_control(
             tmp / FILES["onnx"], tmp / FILES["int8"], calib, names, list(range(len(val))),
             lambda i: {"image": np.ascontiguousarray(val[i][0].numpy())}, metric, cfg.max_ap_drop)
-        run = int8_runner(tmp / FILES["int8"])   # OpenVINO: the runtime NNCF's QDQ layout is made for
+        run = onnx_runner(onnx.load(str(tmp / FILES["int8"])))
     if first is not None:
         quantizer["auto_plain_first"] = first
     t2 = time.perf_counter()

@@ -34,15 +34,6 @@ def load_runner(model_path: Path | str) -> tuple[Runner, str, int | None]:
     if not path.is_file():
         raise StageError(f"{path}: model not found (run the pipeline, `dvc repro`, or pass --model "
                          "models/model.onnx, models/int8/model.int8.onnx, models/openvino/model.xml or models/model.pt)")
-    if path.name.endswith(".int8.onnx"):
-        from detpipe.export.quantize import int8_runtime
-
-        try:
-            runtime = int8_runtime(path)
-        except Exception as e:  # noqa: BLE001 - onnx raises its own error types for bad files
-            raise StageError(f"{path}: not a loadable ONNX model ({type(e).__name__}: {e})") from None
-        if runtime == "openvino":   # NNCF's accuracy-controlled file: its QDQ layout is made for OpenVINO
-            return _openvino(path, "int8 QDQ")
     if path.suffix == ".onnx":
         import onnxruntime as ort
 
@@ -67,10 +58,27 @@ def load_runner(model_path: Path | str) -> tuple[Runner, str, int | None]:
         kind = "int8 QDQ" if path.name.endswith(".int8.onnx") else "float32"
         return run_onnx, f"onnxruntime {ort.__version__} {kind} ({path})", None
     if path.suffix == ".xml":
+        import openvino as ov
+
+        from detpipe.export.formats import openvino_runner
+
         if not path.with_suffix(".bin").is_file():
             raise StageError(f"{path}: its weights {path.with_suffix('.bin').name} are missing (an OpenVINO IR is "
                              "the .xml and the .bin beside it)")
-        return _openvino(path, "float32")
+        try:
+            run_one = openvino_runner(path, ["boxes", "scores", "labels"])
+        except StageError:
+            raise StageError(f"{path}: outputs are not the export stage's (boxes, scores, labels)") from None
+        except Exception as e:  # noqa: BLE001 - OpenVINO raises its own error types for bad files
+            raise StageError(f"{path}: not a loadable OpenVINO IR ({type(e).__name__}: "
+                             f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})") from None
+
+        def run_openvino(images: list[torch.Tensor]) -> list[dict]:
+            outs = [run_one(im) for im in images]
+            return [{"boxes": torch.from_numpy(b), "scores": torch.from_numpy(s), "labels": torch.from_numpy(lab).long()}
+                    for b, s, lab in outs]
+        run_openvino.per_image = True
+        return run_openvino, f"openvino {ov.__version__} CPU float32 ({path})", None
     if path.suffix == ".pt":
         from detpipe.models import load_model
 
@@ -86,26 +94,3 @@ def load_runner(model_path: Path | str) -> tuple[Runner, str, int | None]:
             return [{k: out[k] for k in ("boxes", "scores", "labels")} for out in model(images)]
         return run_eager, f"torch {torch.__version__} eager ({path})", int(ckpt["config"]["num_classes"])
     raise StageError(f"{path}: unknown model file type (expected .onnx, .xml (OpenVINO IR) or .pt)")
-
-
-def _openvino(path: Path, kind: str) -> tuple[Runner, str, None]:
-    """`load_runner` for a file OpenVINO runs (an IR ``.xml``, or an int8 ONNX file made for OpenVINO:
-    `detpipe.export.quantize.int8_runtime`): CPU plugin, `detpipe.export.formats.openvino_runner`."""
-    import openvino as ov
-
-    from detpipe.export.formats import openvino_runner
-
-    try:
-        run_one = openvino_runner(path, ["boxes", "scores", "labels"])
-    except StageError:
-        raise StageError(f"{path}: outputs are not the export stage's (boxes, scores, labels)") from None
-    except Exception as e:  # noqa: BLE001 - OpenVINO raises its own error types for bad files
-        raise StageError(f"{path}: not a loadable OpenVINO model ({type(e).__name__}: "
-                         f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})") from None
-
-    def run_openvino(images: list[torch.Tensor]) -> list[dict]:
-        outs = [run_one(im) for im in images]
-        return [{"boxes": torch.from_numpy(b), "scores": torch.from_numpy(s), "labels": torch.from_numpy(lab).long()}
-                for b, s, lab in outs]
-    run_openvino.per_image = True
-    return run_openvino, f"openvino {ov.__version__} CPU {kind} ({path})", None
