@@ -179,7 +179,8 @@ def _int8(tmp: Path, cfg: params_mod.Export, eager_wrapper: DetectionExport, eag
         the report entry: ``gate``, ``ok``, ``failure`` (the one-line reason, or None), ``accuracy``
         (`detpipe.export.formats.accuracy_gate`), ``scores`` (`detpipe.export.quantize.score_figures` of eager and
         int8, ``count_ratio``, ``max_count_ratio``, ``ok``), ``quantizer`` (method; accuracy control: the layers
-        kept float and reverted), ``calibration_images``, ``val_images`` and the raw-output figures (not gated).
+        kept float and reverted; both: ``score_head``, the convolutions kept float by rule),
+        ``calibration_images``, ``val_images`` and the raw-output figures (not gated).
     """
     import onnx
 
