@@ -46,7 +46,7 @@ PLAIN = "int8_plain"   # made here (``--plain-int8``) from models/model.onnx: th
 
 def make_plain_int8(workdir: Path) -> None:
     """Write ``workdir/`` ``FORMATS["int8_plain"]``: `detpipe.export.formats.quantize_int8` (onnxruntime, every
-    network layer int8, the pre-issue-50 quantizer) of ``models/model.onnx``, calibrated as the export stage
+    network layer int8 but the score head) of ``models/model.onnx``, calibrated as the export stage
     calibrates (``export.calibration_images`` of the workdir's params.yaml, default when absent)."""
     import json as _json
 
@@ -74,7 +74,14 @@ def gate_figures(workdir: Path, fmt: str, row: dict, eager: dict | None) -> tupl
     if eager is None:
         return "-", "-", False
     drop = max(eager["AP"] - row["AP"], eager["AP50"] - row["AP50"])
-    kept = "0" if fmt == PLAIN else str(len(entry.get("quantizer", {}).get("kept_float", []))) if entry else "-"
+    if fmt == PLAIN:   # the score head (`score_head_nodes`), kept float by rule
+        import onnx
+
+        from detpipe.export.quantize import score_head_nodes
+
+        kept = str(len(score_head_nodes(onnx.load(str(workdir / FORMATS["onnx"])), report["raw_outputs"])))
+    else:
+        kept = str(len(entry.get("quantizer", {}).get("kept_float", []))) if entry else "-"
     return f"{drop:.4f}", kept, drop <= limit + 1e-12
 
 

@@ -472,6 +472,8 @@ int8 quantizer: {{ q['method'] }}\
 ; {{ q['quantized_layers'] }} of {{ q['layers'] }} layers int8, kept float: \
 {{ q['kept_float'] | join(', ') if q['kept_float'] else 'none' }} (reverted by the accuracy control: \
 {{ q['reverted'] | join(', ') if q['reverted'] else 'none' }}; score head by rule: {{ q['score_head'] | join(', ') }})\
+{% elif q.get('score_head') %}
+; score head kept float by rule: {{ q['score_head'] | join(', ') }}\
 {% endif %}
 . Scores (val, int8 vs eager): {{ report['formats']['int8']['scores']['int8']['count'] }} vs \
 {{ report['formats']['int8']['scores']['eager']['count'] }} detections at score >= \

@@ -132,19 +132,24 @@ def network_nodes(onnx_model, raw_names: list[str]) -> list[str]:
             if node.op_type in QUANTIZED_OPS and node.name in ancestors and node.name in descendants]
 
 
-def quantize_int8(onnx_path: Path, out_path: Path, calibration: list[torch.Tensor], raw_names: list[str]) -> Callable:
+def quantize_int8(onnx_path: Path, out_path: Path, calibration: list[torch.Tensor], raw_names: list[str],
+                  score_head_float: bool = True) -> Callable:
     """Post-training static int8 quantization of the ONNX file with onnxruntime
     (``onnxruntime.quantization.quantize_static``, https://onnxruntime.ai/docs/performance/model-optimizations/quantization.html):
     QDQ format, activations ``QUInt8`` (asymmetric, MinMax calibration over ``calibration``), weights ``QInt8`` per
     output channel with ``reduce_range`` (7-bit weights: this machine's AVX2 without VNNI multiplies u8 x s8 with a
     16-bit intermediate that saturates at full range, as onnxruntime's documentation warns), on the network's
-    nodes only (`network_nodes`). Returns a runner over the written file (onnxruntime, CPU).
+    nodes only (`network_nodes`) minus, by default, the score head (`detpipe.export.quantize.score_head_nodes`: the
+    last ``Conv`` before each raw score output, kept float32 so that the logits the softmax turns into scores are
+    not put on an 8-bit grid; issue 50 item 3). Returns a runner over the written file (onnxruntime, CPU).
 
     Args:
         onnx_path: the float ONNX file (checked by the parity gate).
         out_path: where the int8 file goes.
         calibration: ``float32 (3, H, W)`` images in [0, 1] (training images from the augmentation cache).
         raw_names: the raw head outputs (`detpipe.export.exporter.DetectionExport.output_names`).
+        score_head_float: keep the score head float32 (False: every network node int8, the pre-issue-50 file,
+            for comparison in benchmarks).
     Raises:
         StageError: no calibration image, or onnxruntime could not quantize the graph.
     """
@@ -163,7 +168,13 @@ def quantize_int8(onnx_path: Path, out_path: Path, calibration: list[torch.Tenso
         def get_next(self):
             return next(self.items, None)
 
-    nodes = network_nodes(onnx.load(str(onnx_path)), raw_names)
+    from detpipe.export.quantize import score_head_nodes
+
+    model = onnx.load(str(onnx_path))
+    nodes = network_nodes(model, raw_names)
+    if score_head_float:
+        head = set(score_head_nodes(model, raw_names))
+        nodes = [n for n in nodes if n not in head]
     if not nodes:
         raise StageError(f"{onnx_path}: no convolutional network between the input and the raw outputs "
                          f"{raw_names} to quantize")

@@ -179,13 +179,16 @@ def _int8(tmp: Path, cfg: params_mod.Export, eager_wrapper: DetectionExport, eag
         the report entry: ``gate``, ``ok``, ``failure`` (the one-line reason, or None), ``accuracy``
         (`detpipe.export.formats.accuracy_gate`), ``scores`` (`detpipe.export.quantize.score_figures` of eager and
         int8, ``count_ratio``, ``max_count_ratio``, ``ok``), ``quantizer`` (method; accuracy control: the layers
-        kept float and reverted), ``calibration_images``, ``val_images`` and the raw-output figures (not gated).
+        kept float and reverted; both: ``score_head``, the convolutions kept float by rule),
+        ``calibration_images``, ``val_images`` and the raw-output figures (not gated).
     """
+    import onnx
+
     from detpipe.data.meta import read_meta
     from detpipe.evaluation.detections import label_to_category_id
     from detpipe.evaluation.ground_truth import gt_from_arrow
     from detpipe.export.quantize import (ap_metric, count_check, onnx_runner, quantize_accuracy_control,
-                                         score_figures)
+                                         score_figures, score_head_nodes)
 
     t0 = time.perf_counter()
     calib = calibration if calibration is not None else calibration_images(cache_dir, cfg.calibration_images)
@@ -201,7 +204,8 @@ def _int8(tmp: Path, cfg: params_mod.Export, eager_wrapper: DetectionExport, eag
     method, first = cfg.int8_method, None
     if method in ("plain", "auto"):
         run = quantize_int8(tmp / FILES["onnx"], tmp / FILES["int8"], calib, names)
-        quantizer = {"method": "plain (onnxruntime quantize_static, QDQ, every network layer)"}
+        quantizer = {"method": "plain (onnxruntime quantize_static, QDQ, every network layer but the score head)",
+                     "score_head": score_head_nodes(onnx.load(str(tmp / FILES["onnx"])), names)}
         if method == "auto":   # the fast plain file when it passes the gate, else accuracy control
             res = val_results(run, val, l2c, masks)
             ap = coco_ap(res, gt, f"predictions of plain {FILES['int8']}")
@@ -213,8 +217,6 @@ def _int8(tmp: Path, cfg: params_mod.Export, eager_wrapper: DetectionExport, eag
             log.info("int8 auto: plain quantizer AP %.4f AP50 %.4f, %d detections: %s", ap["AP"], ap["AP50"],
                      count, "kept" if first["ok"] else "fails its gate, accuracy control next")
     if method == "accuracy_control":
-        import onnx
-
         metric = validate or ap_metric(val, gt, l2c, masks, eager_ap, cfg.count_score, eager_count,
                                        cfg.max_count_ratio)
         quantizer = quantize_accuracy_control(

@@ -98,6 +98,7 @@ def _gate_body(work: Path, sound: Path) -> None:
     assert acc["eager"] == {"AP": eager_ap, "AP50": eager_ap50} or abs(acc["eager"]["AP"] - eager_ap) < 1e-4
     assert acc["drop"]["AP"] <= 0.02 and acc["drop"]["AP50"] <= 0.02, acc
     assert report["formats"]["int8"]["calibration_images"] == 4            # the learns set's 4 train images
+    _assert_score_head_float(work, report)
     for fmt in ("onnx", "openvino"):
         r = report["formats"][fmt]
         assert r["gate"] == "parity" and r["raw"]["ok"] and r["raw"]["compared"] == 4, (fmt, r["raw"])
@@ -109,6 +110,21 @@ def _gate_body(work: Path, sound: Path) -> None:
     assert "FAIL" not in card and card.count("| pass") >= 3
     import openvino_telemetry                      # the converter ran in this process: telemetry declined
     assert openvino_telemetry.Telemetry().consent is False
+
+
+def _assert_score_head_float(work: Path, report: dict) -> None:
+    """Issue 50 item 3, read from the written int8 file: the score head (the last ``Conv`` before
+    ``head.cls_logits``, one per SSDlite feature level) runs in float32 (its weight an initializer, no
+    ``DequantizeLinear``), the other network convolutions in int8 (weights behind a ``DequantizeLinear``)."""
+    import onnx
+
+    graph = onnx.load(str(work / FILES["int8"])).graph
+    producer = {out: node.op_type for node in graph.node for out in node.output}
+    weights = {node.name: producer.get(node.input[1], "initializer") for node in graph.node if node.op_type == "Conv"}
+    head = report["formats"]["int8"]["quantizer"]["score_head"]
+    assert len(head) == 6 and all("classification_head" in n for n in head), head
+    assert all(weights[n] == "initializer" for n in head), {n: weights.get(n) for n in head}
+    assert sum(w == "DequantizeLinear" for w in weights.values()) > 80, weights     # the rest int8 (92 here)
 
 
 @pytest.mark.slow
