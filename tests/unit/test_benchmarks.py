@@ -17,7 +17,7 @@ def test_models_benchmark_help_names_the_budget_and_the_default_models():
                           text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "--epochs" in proc.stdout and "--threads" in proc.stdout
-    assert MODELS == ["ssdlite320_mobilenet_v3_large", "rtdetr_v2_r18vd", "dfine_n", "dfine_s"]
+    assert MODELS == ["ssdlite320_mobilenet_v3_large", "dfine_n", "dfine_s", "rtdetr_v2_r18vd"]
 
 
 def test_ratio_is_best_new_ap_over_the_baseline_and_defined_when_the_baseline_is_zero():
