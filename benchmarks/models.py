@@ -23,7 +23,7 @@ model of ``--models`` (the first is the baseline, default ``ssdlite320_mobilenet
    ``models/model.onnx`` and ``models/int8/model.int8.onnx`` with `detpipe.predict.load_runner`'s runner over the
    val images (batch 8, one warm-up batch, decoding excluded: `benchmarks.predict.model_only`).
 
-    nice -n 10 python -m benchmarks.models [--epochs 8] [--models ssdlite320_mobilenet_v3_large rtdetr_v2_r18vd ...]
+    nice -n 10 python -m benchmarks.models [--epochs 2] [--models ssdlite320_mobilenet_v3_large rtdetr_v2_r18vd ...]
 
 Prints one row per model, then ``best new model: <name>`` and as the last line ``ratio: X`` (`ratio`): the best
 non-baseline AP / the baseline's AP. When the baseline's AP is 0 the quotient is undefined: ``inf`` when a new model
@@ -126,7 +126,7 @@ def predict_rate(work: Path, rel: str) -> float | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--epochs", type=int, default=8,
+    ap.add_argument("--epochs", type=int, default=2,
                     help="the equal budget: epochs of the train split per model (iterations = epochs x train // 16)")
     ap.add_argument("--models", nargs="+", default=MODELS, help="the first is the baseline of the ratio")
     ap.add_argument("--images", type=int, default=128, help="COCO128 images (its split: ~4/5 train, ~1/5 val)")
@@ -172,7 +172,7 @@ def main() -> None:
                        f" (export stage {export_wall:.0f} s)"
             print(f"{name}: params {n_params:,}, train {rate:.2f} img/s, {cols}, {iters} iterations "
                   f"(train stage {wall:.0f} s wall, {cpu:.0f} s CPU, load {load:.1f}), "
-                  f"AP {stats['AP']:.4f}, AP50 {stats['AP50']:.4f}", flush=True)
+                  f"AP {stats['AP']:.6f}, AP50 {stats['AP50']:.6f}", flush=True)
     best, r = ratio(aps, args.models[0])
     print(f"wall {time.perf_counter() - started:.0f} s, load {os.getloadavg()[0]:.1f}")
     print(f"best new model: {best}")
