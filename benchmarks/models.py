@@ -1,5 +1,8 @@
 """Benchmark: the model families side by side on one machine, same run: parameters, train images/s at 320 px on the
-CPU, ONNX and int8 predict images/s, and val AP after an equal CPU training budget from random init.
+CPU, ONNX and int8 predict images/s, and val AP after an equal training budget (iterations) from random init.
+
+Every stage and the predict timing run with ``--threads`` torch threads (default 1: on a 2-core machine shared with
+other jobs, two OpenMP threads per process ran ssdlite ~50x slower than on a quiet machine; docs/measurements.md).
 
 One COCO128 working directory (convert + augment of ``--images`` images by the stages' own CLIs, the repository's
 params.yaml: ``augment.resize: fixed``, 320 px; COCO128's split, 102 train / 26 val at 128 images), then for every
