@@ -122,8 +122,10 @@ def _in_workspace(ws) -> list[psutil.Process]:
 SEARCH8_ITERATIONS, SEARCH8_EVERY, SEARCH8_CKPT = 150, 10, 5
 SEARCH8_SEED = 98
 FITS_AP50 = 0.9
-# iterations saved by pruning / iterations of 8 full trials: measured 0.xx (docs/search.md); asserted with margin
-MIN_SAVED = 0.3
+# Iterations saved by pruning / iterations of 8 full trials: measured 0.817 (trials 1-7 pruned at their first report,
+# docs/search.md). Trials 1 and 2 reported AP50 0.34 against the median's 0.40 at iteration 10: should both pass
+# there on another machine and even train to the end, 0.58 would be saved; asserted with that margin.
+MIN_SAVED = 0.5
 
 
 def _exp_show(repo, env) -> dict[str, dict]:
