@@ -86,6 +86,7 @@ def test_a_hopeless_trial_is_pruned_at_its_first_evaluation(reference_study, lea
           f"{study.trials[0].intermediate_values}, checkpoints {checkpoint_iterations(work)}")
     assert trial.user_attrs.get("pruned_at") == EVERY, f"not pruned: {trial.user_attrs}"
     assert live.get("search", {}).get("pruned_at") == EVERY and live["train"]["stopped_early_at"] == EVERY, live
+    assert live["search"]["state"] == "pruned", live
     assert checkpoint_iterations(work) == [EVERY]           # stopped there, and its checkpoint kept
     assert (work / "models" / "model.pt").is_file() and "pruned by the search" in proc.stderr
     assert trial.intermediate_values[EVERY] < study.trials[0].intermediate_values[EVERY]
