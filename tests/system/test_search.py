@@ -236,3 +236,20 @@ def test_search_of_8_trials_fits_prunes_resumes_after_kill_and_applies_the_best(
     assert hashlib.md5((repo / "models" / "model.pt").read_bytes()).hexdigest() == md5
     assert yaml.safe_load((repo / "params.yaml").read_text())["train"]["lr"] == pytest.approx(lrs[best.number])
     assert not (repo / ".dvc" / "tmp" / "runs" / "lr8-t1").exists()    # the resumed trial's workspace, removed
+
+
+def test_a_search_refuses_num_plot_images_0_in_one_line(tmp_path, capsys):
+    """``evaluate.num_plot_images: 0`` leaves plots/val_images empty, and git keeps no empty folder, so every trial's
+    ``dvc exp save`` would fail (``output 'plots/val_images' does not exist``, seen in a one-trial search): the search
+    stops before any trial with a one-line error naming the key (exit status 2); with 1 the same check passes."""
+    from flows.search import main, settings
+    from support.pipeline import set_params
+    from support.repos import copy_repo
+
+    repo = copy_repo(tmp_path / "repo", n_images=1)
+    set_params(repo, {"evaluate": {"num_plot_images": 0}})
+    assert main(["--repo", str(repo), "--set", "space.train.lr=loguniform 1e-4 1e-1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "key 'evaluate.num_plot_images' is 0" in err and "params.yaml" in err, err
+    set_params(repo, {"evaluate": {"num_plot_images": 1}})
+    assert settings(repo, {"n_trials": 3}).n_trials == 3
