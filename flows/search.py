@@ -28,7 +28,14 @@ from flows.train import REPO_ENV, repository, train
 
 def settings(root: Path, changes: dict[str, Any] | None) -> params_mod.Search:
     """The repository's ``search`` section (params.yaml) with ``changes`` (``{"n_trials": 3, "space":
-    {...}}``) applied. Raises StageError (bad params.yaml) or pydantic's ValidationError (bad changes)."""
+    {...}}``) applied. Raises StageError (bad params.yaml, or ``evaluate.num_plot_images`` 0: a trial's ``dvc exp
+    save`` then fails with ``output 'plots/val_images' does not exist``, since git keeps no empty folder) or
+    pydantic's ValidationError (bad changes)."""
+    from detpipe.errors import StageError
+
+    if params_mod.load("evaluate", path=root / "params.yaml").num_plot_images < 1:
+        raise StageError(f"{root / 'params.yaml'}: key 'evaluate.num_plot_images' is 0: a search trial is saved as a "
+                         "DVC experiment, whose output plots/val_images must hold at least one image; set it to 1 or more")
     base = params_mod.load("search", path=root / "params.yaml").model_dump()
     return params_mod.Search.model_validate({**base, **(changes or {})})
 

@@ -43,11 +43,12 @@ def sweep(grid: dict[str, Any] | None = None, runs: list[dict[str, Any]] | None 
 
     With ``search`` (a dict, ``{}`` for params.yaml's ``search`` section as it is, else changes to it such as
     ``{"n_trials": 4}``) it runs the Optuna search instead (`flows.search.search`, docs/search.md) and returns its
-    result; ``grid`` and ``runs`` must then be empty."""
+    result (its flow run is named ``<sweep run name>-search``); ``grid`` and ``runs`` must then be empty."""
     if search is not None:
         if grid or runs:
             raise ValueError("sweep: give either grid/runs or search, not both")
-        return search_flow(search_settings=search or None, repo=repo)
+        return search_flow.with_options(flow_run_name=f"{experiment_name(flow_run.get_name())}-search")(
+            search_settings=search or None, repo=repo)
     sets = overrides.expand(grid, runs)
     root = repository(repo)
     with get_client(sync_client=True) as client:

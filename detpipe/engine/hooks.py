@@ -130,7 +130,9 @@ class EvalHook(HookBase):
 
     Search pruning (``report``, a `detpipe.study.TrialReporter`): after each evaluation rank 0 calls
     ``report(stats, iteration)``; a returned reason stops every rank at that iteration through the same broadcast as
-    early stopping, and ``search/pruned_at`` (the iteration) is put into the storage beside ``stopped_early_at``.
+    early stopping, and ``search/pruned_at`` (the iteration) is put into the storage beside ``stopped_early_at``, with
+    ``search/state`` ``"pruned"``; a trial that trains to its end (or stops early by patience) gets ``search/state``
+    ``"complete"`` at its last evaluation, so `dvc exp show` lists every trial's state as text.
 
     The one order rule among the hooks: ``ema`` must be registered before this hook, so that its ``after_step``
     has averaged in the iteration this hook evaluates (`detpipe.engine.trainer.build_trainer` registers LR, EMA,
@@ -178,7 +180,9 @@ class EvalHook(HookBase):
                 log.info("iteration %d: AP %.4f, best so far -> %s", done, self.best_ap, self.best_path)
             pruned = self.report(stats, done) if self.report is not None else None
             if pruned:
-                self.trainer.storage.put_scalars(keep=True, **{"search/pruned_at": done})
+                self.trainer.storage.put_scalars(keep=True, **{"search/pruned_at": done, "search/state": "pruned"})
+            elif self.report is not None and (done == self.trainer.max_iter or self._reason()):
+                self.trainer.storage.put_scalars(keep=True, **{"search/state": "complete"})
         box = [(self._reason() or pruned) if self.trainer.rank == 0 else None]
         if self.trainer.distributed:  # every rank waits for rank 0's evaluation and takes its decision
             dist.broadcast_object_list(box, src=0)

@@ -39,10 +39,11 @@ class EventStorage:
         self._current: dict[str, float] = {}
         self._keep = False
 
-    def put_scalar(self, name: str, value: float, keep: bool = False) -> None:
-        """Record ``value`` (converted to float) under ``name`` for the current iteration; ``keep=True`` makes
+    def put_scalar(self, name: str, value: float | str, keep: bool = False) -> None:
+        """Record ``value`` (converted to float; a ``str`` kept as it is, e.g. a search trial's state, which
+        DVCLive writes to metrics.json as text) under ``name`` for the current iteration; ``keep=True`` makes
         this iteration's row go into `history` whatever ``keep_every`` says."""
-        value = float(value)
+        value = value if isinstance(value, str) else float(value)
         self._latest[name] = (value, self.iter)
         self._current[name] = value
         self._keep = self._keep or keep

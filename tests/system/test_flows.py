@@ -371,11 +371,22 @@ def test_sweep_runs_in_parallel_and_compares_in_80_columns(prefect, reproduced_r
     before, both experiments' train stages overlap in time (log timestamps) and each continues the committed 1-epoch
     run's checkpoint with 2 epochs and its lr (only iterations 2..4 train), both are DVC experiments with their
     params, the README's ``dvc exp show`` command shows their AP, AP50 and train.lr in 80 columns without an
-    ellipsis, and the user's workspace is unchanged."""
+    ellipsis, and the user's workspace is unchanged.
+
+    Meanwhile (the server runs two deployment runs at once), ``sweep/main`` with a ``search`` (issue 48 item 2) on
+    a second copy of the repository: a one-trial Optuna search through the deployment, whose trial ``dep-t0`` is a
+    DVC experiment with the drawn lr and is COMPLETE in the run's ``search-results`` artifact."""
     repo = flow_repo(reproduced_repo, tmp_path / "repo")
     apply_overrides(repo / "params.yaml", {"flows.max_parallel": 2, "train.epochs": 2})   # 4 iterations each
     sh(["git", "commit", "-qam", "two experiments at once"], repo)
     before = snapshot(repo)
+    search_repo = flow_repo(reproduced_repo, tmp_path / "search-repo", train={"epochs": 2})
+    search = {"repo": str(search_repo), "search": {"study": "dep", "n_trials": 1, "pruner": "none",
+                                                   "space": {"train.lr": "choice 0.02 0.025"}}}
+    searching = subprocess.Popen([sys.executable, "-m", "prefect", "deployment", "run", "sweep/main", "--params",
+                                  json.dumps(search), "--flow-run-name", "search1", "--watch", "--watch-interval",
+                                  "2"], env=prefect.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                 cwd=prefect.logs)
     params = {"grid": {"train.lr": [0.03, 0.04]}, "repo": str(repo)}
     proc = subprocess.run([sys.executable, "-m", "prefect", "deployment", "run", "sweep/main", "--params",
                            json.dumps(params), "--flow-run-name", "sweep1", "--watch", "--watch-interval", "2"],
@@ -415,6 +426,16 @@ def test_sweep_runs_in_parallel_and_compares_in_80_columns(prefect, reproduced_r
     # the check catches a table that does not fit: the same command without its --drop
     wide = _columns80(readme_exp_show()[:readme_exp_show().index("--drop")], repo)
     assert not fits_80_columns(wide), wide
+
+    # the search through the deployment
+    out, _ = searching.communicate(timeout=1200)
+    assert searching.returncode == 0, out[-4000:]
+    rows = json.loads(prefect.artifact(prefect.id_of("search1-search"), "search-results"))   # the search subflow
+    assert [(r["trial"], r["experiment"], r["state"]) for r in rows] == [(0, "dep-t0", "COMPLETE")], rows
+    lr = json.loads(rows[0]["train.lr"])
+    found = experiments(search_repo)
+    assert set(found) == {"dep-t0"} and found["dep-t0"]["params"]["train"]["lr"] == lr and lr in (0.02, 0.025)
+    assert found["dep-t0"]["metrics"]["metrics/eval.json"]["bbox"]["AP50"] == pytest.approx(rows[0]["AP50"])
 
 
 @pytest.mark.slow
