@@ -164,18 +164,12 @@ def schedule_changes(old: dict | None, new: dict | None) -> str:
     return ", ".join(f"{k} {old.get(k)} -> {new.get(k)}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k))
 
 
-# Params that do not change the result of training: a checkpoint made with other values resumes.
-_NOT_IN_FINGERPRINT = {"resume", "final", "keep_last", "checkpoint_every", "num_workers", "threads", "log_every",
-                       "eval_every", "log_every_s", "cache_url", "cache_local_dir",
-                       "cache_local_bytes"} | params_mod.LAUNCH_ONLY
-
-
 def fingerprint(cfg: params_mod.Train, cache_meta: bytes, arrow_meta: bytes) -> str:
     """Which training a checkpoint belongs to: sha256 (hex) over the training params that affect the result, except
-    the schedule keys (`detpipe.params.SCHEDULE`: a checkpoint with other values of those is the same training,
+    the schedule keys (`detpipe.params.train_keys` ``"schedule"``: a checkpoint with other values of those is the same training,
     continued with another schedule: `schedule_params`), and the data's meta files (bytes)."""
-    relevant = {k: v for k, v in cfg.model_dump().items()
-                if k not in _NOT_IN_FINGERPRINT and k not in params_mod.SCHEDULE}
+    result_keys = params_mod.train_keys("result")  # not schedule, run or launch keys
+    relevant = {k: v for k, v in cfg.model_dump().items() if k in result_keys}
     h = hashlib.sha256(json.dumps(relevant, sort_keys=True).encode())
     h.update(cache_meta)
     h.update(arrow_meta)
@@ -183,8 +177,10 @@ def fingerprint(cfg: params_mod.Train, cache_meta: bytes, arrow_meta: bytes) -> 
 
 
 def schedule_params(cfg: params_mod.Train) -> dict:
-    """The schedule keys of ``cfg`` (`detpipe.params.SCHEDULE`) and their values, as a checkpoint stores them."""
-    return {k: v for k, v in cfg.model_dump().items() if k in params_mod.SCHEDULE}
+    """The schedule keys of ``cfg`` (`detpipe.params.train_keys` ``"schedule"``) and their values, as a checkpoint
+    stores them."""
+    keys = params_mod.train_keys("schedule")
+    return {k: v for k, v in cfg.model_dump().items() if k in keys}
 
 
 def check_resume(cfg: params_mod.Train, cache_dir: Path = CACHE_DIR, arrow_meta: Path = ARROW_META,

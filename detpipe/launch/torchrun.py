@@ -96,12 +96,14 @@ def is_endpoint_host(host: str) -> bool:
 
 def default_run_id(cfg) -> str:
     """The rendezvous job id: ``train.rdzv_id``, else ``$SLURM_JOB_ID``, else ``detpipe-`` + 12 hex of the sha256
-    of the params (the same on every node that runs the same params, so a restarted node rejoins its job)."""
+    of the params (`detpipe.launch.stage.LaunchParams.params_digest` when ``cfg`` has one; the same on every node that runs the same params, so a restarted node rejoins its job)."""
     if cfg.rdzv_id:
         return cfg.rdzv_id
     if os.environ.get("SLURM_JOB_ID"):
         return os.environ["SLURM_JOB_ID"]
-    return "detpipe-" + hashlib.sha256(json.dumps(cfg.model_dump(), sort_keys=True).encode()).hexdigest()[:12]
+    digest = getattr(cfg, "params_digest", "") or \
+        hashlib.sha256(json.dumps(cfg.model_dump(), sort_keys=True).encode()).hexdigest()
+    return "detpipe-" + digest[:12]
 
 
 def torchrun_args(cfg, module: str, endpoint: str, run_id: str, nproc_per_node: int | None = None) -> list[str]:
@@ -409,7 +411,7 @@ def run_torchrun(argv: list[str], env: dict[str, str] | None = None,
 
 
 def launch_local(cfg, module: str, nproc_per_node: int | None = None) -> None:
-    """Launch ``python -m <module>`` workers on this node per ``cfg`` (`detpipe.params.Train`-like: nnodes,
+    """Launch ``python -m <module>`` workers on this node per ``cfg`` (`detpipe.launch.stage.LaunchParams`: nnodes,
     rdzv settings, max_restarts, threads). One node (``nnodes`` 1): a free port on 127.0.0.1, bound before
     torchrun starts. More nodes: ``cfg.rdzv_endpoint``; start the same command, with the same params, on every
     node (or use `detpipe.launch.slurm` / `detpipe.launch.k8s`). With a loopback endpoint the workers' gloo and NCCL sockets
