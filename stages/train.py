@@ -58,7 +58,12 @@ def main(argv: list[str] | None = None) -> None:
         from detpipe.engine.distributed import collective_errors
 
         with collective_errors():  # a timed-out collective: one line naming the lost peer, exit status 2
-            train(cfg)
+            train(cfg, eval_fn_factory=eval_fn_factory)
+
+    def eval_fn_factory(cache_root, arrow_meta):  # imported only with train.eval_every (COCOeval, pycocotools)
+        from detpipe.evaluation.periodic import make_eval_fn
+
+        return make_eval_fn(cache_root, arrow_meta)
 
     def prepare() -> None:
         from detpipe.engine.checkpoints import check_resume  # torch, not torchvision

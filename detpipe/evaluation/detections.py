@@ -1,5 +1,5 @@
 """A detector's outputs as COCO results in original-image pixels: the one mapping used by the evaluate stage
-(`detpipe.evaluation.evaluate`), training's eval hook (`detpipe.engine.trainer.make_eval_fn`) and
+(`detpipe.evaluation.evaluate`), training's eval hook (`detpipe.evaluation.periodic.make_eval_fn`) and
 ``python -m detpipe.predict``.
 
 The model sees an image resized (and, in the cache, possibly cropped) by the augment stage's rule; a pixel

@@ -71,6 +71,17 @@ def test_one_launch_path_for_train_and_evaluate():
     assert "Train(" not in (ROOT / "detpipe/evaluation/evaluate.py").read_text()
 
 
+def test_the_trainer_imports_no_evaluation_code():
+    """The engine's trainer gets its periodic evaluation as a callable (`build_trainer`'s ``eval_fn_factory``, which
+    the train stage fills with `detpipe.evaluation.periodic.make_eval_fn`): neither it nor the hooks import
+    `detpipe.evaluation`, directly or through another module."""
+    for f in ("detpipe/engine/trainer.py", "detpipe/engine/hooks.py", "detpipe/engine/train_loop.py"):
+        crossed = sorted(m for m in code_closure(ROOT / f) if m.startswith("detpipe/evaluation/")
+                         and m != "detpipe/evaluation/drawing.py" and m != "detpipe/evaluation/__init__.py")
+        assert not crossed, f"{f} imports {crossed}"
+    assert "detpipe/evaluation/periodic.py" in code_closure(ROOT / "stages/train.py")
+
+
 def test_dvc_yaml_code_deps_follow_the_imports():
     pipeline = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
     for name in STAGES:
