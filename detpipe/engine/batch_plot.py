@@ -95,9 +95,3 @@ def draw_batch(micro: list[tuple[list[torch.Tensor], list[dict]]], label_names: 
         grid[:, y:y + tile.shape[1], x:x + tile.shape[2]] = tile
     return grid
 
-
-def encode_png(grid: torch.Tensor) -> bytes:
-    """PNG bytes of a ``uint8 (3, H, W)`` image."""
-    from torchvision.io import encode_png as _encode
-
-    return _encode(grid).numpy().tobytes()

@@ -14,17 +14,15 @@ import torch
 
 from detpipe import params as params_mod
 from detpipe.errors import StageError
-from detpipe.files import atomic_open
+from detpipe.model_file import save_torch_atomic
 from detpipe.paths import ARROW_META, CACHE_DIR, CKPT_DIR
 from detpipe.paths import checkpoint_path, list_checkpoints  # noqa: F401  (re-exported: the trainer's names)
 
 log = logging.getLogger("detpipe.engine.checkpoints")
 
 FORMAT = 3  # 3: the fingerprint leaves out the schedule keys, stored apart as "schedule" (2: it covered them; the trainer's EventStorage holds the metric rows; 1: MetricsHook did)
-def save_atomic(obj, path: Path | str) -> None:
-    """``torch.save(obj)`` to ``path`` atomically (`detpipe.files.atomic_open`: temporary file, fsync, rename)."""
-    with atomic_open(path) as f:
-        torch.save(obj, f)
+save_atomic = save_torch_atomic
+"""Save a torch object to ``path`` atomically (`detpipe.model_file.save_torch_atomic`)."""
 
 
 def rng_state() -> dict:
@@ -192,12 +190,12 @@ def check_resume(cfg: params_mod.Train, cache_dir: Path = CACHE_DIR, arrow_meta:
     Raises:
         StageError: as `resume_decision`; missing meta files.
     """
-    from detpipe.data.meta import read_cache_meta_bytes
+    from detpipe.data.meta import read_cache_meta_bytes, read_meta_bytes
 
     if cfg.resume == "never":
         return
     arrow_meta = Path(arrow_meta)
     if not arrow_meta.is_file():
         return  # the launcher's input checks name it
-    fp = fingerprint(cfg, read_cache_meta_bytes(cfg.cache_url or str(cache_dir)), arrow_meta.read_bytes())
+    fp = fingerprint(cfg, read_cache_meta_bytes(cfg.cache_url or str(cache_dir)), read_meta_bytes(arrow_meta))
     resume_decision(cfg.resume, fp, ckpt_dir, schedule_params(cfg))

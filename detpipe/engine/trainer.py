@@ -31,7 +31,7 @@ from detpipe.engine.checkpoints import (FORMAT, find_resume_state, fingerprint, 
                                        schedule_params, set_rng_state)
 from detpipe.data.dataset import CachedDetectionDataset, ResumableDistributedSampler, micro_batches, uses_masks
 from detpipe.data.train_transforms import TrainTransforms, resolve as resolve_augment
-from detpipe.data.meta import read_meta
+from detpipe.data.meta import read_meta, read_meta_bytes
 from detpipe.engine.distributed import setup_distributed
 from detpipe.engine.elastic import EpochPlan, record_samples
 from detpipe.engine.train_loop import HookBase, TrainerBase
@@ -39,6 +39,7 @@ from detpipe.errors import Interrupted, StageError, received_signal
 from detpipe.engine.hooks import (CheckpointHook, EMAHook, EvalHook, LRScheduleHook, MetricsHook, ProgressHook,
                                   TrainBatchPlotHook)
 from detpipe.models import build_detector, load_weights
+from detpipe.model_file import load_model_file, save_model_file
 
 EvalFnFactory = Callable[[str, Path], Callable[[torch.nn.Module], dict]]
 """``(cache_root, arrow_meta) -> eval_fn``; ``eval_fn(model) -> {"AP": ..., ...}`` (`build_trainer`)."""
@@ -270,7 +271,7 @@ def build_trainer(cfg: params_mod.Train, cache_dir: Path = CACHE_DIR, arrow_meta
     if batch_plot is not None:
         hooks.append(TrainBatchPlotHook(batch_plot, read_meta(arrow_meta)["label_names"]))
     hooks += extra_hooks
-    fp = fingerprint(cfg, cache_meta_bytes, Path(arrow_meta).read_bytes())
+    fp = fingerprint(cfg, cache_meta_bytes, read_meta_bytes(arrow_meta))
     return Trainer(model, optimizer, dataset, cfg, device, rank, world, config=config, fingerprint=fp, hooks=hooks)
 
 
@@ -364,11 +365,11 @@ def train(cfg: params_mod.Train, cache_dir: Path = CACHE_DIR, arrow_meta: Path =
     if rank == 0:
         weights, source = (ema.weights() if ema else model.state_dict()), "the last" + (" EMA" if ema else "")
         if cfg.final == "best":
-            best = torch.load(Path(ckpt_dir) / "best.pt", map_location="cpu", weights_only=True)
+            best = load_model_file(Path(ckpt_dir) / "best.pt")
             weights = best["model"]
             source = f"the best (iteration {best['iters']}, val AP {best['AP']:.4f}{', EMA' if ema else ''})"
-        save_atomic({"model": weights, "config": trainer.config, "iters": trainer.iter, "ema": bool(ema),
-                     "fingerprint": trainer.fingerprint, "params": cfg.model_dump()}, Path(model_out))
+        save_model_file(Path(model_out), weights, trainer.config, trainer.iter, ema=bool(ema),
+                        fingerprint=trainer.fingerprint, params=cfg.model_dump())
         stopped = f"; stopped early at iteration {trainer.iter}: {trainer.stop_reason}" if trainer.stop_reason else ""
         log.info("wrote %s after %d iterations: %s weights%s", model_out, trainer.iter, source, stopped)
     if trainer.distributed:

@@ -92,3 +92,11 @@ def add_legend(image: torch.Tensor, entries: list[tuple[str, str]], row_height: 
     colors = [c for *_, c in rows]
     strip = draw_bounding_boxes(strip, boxes, labels=[t for _, _, _, t, _ in rows], colors=colors, width=1)
     return torch.cat([image, strip], dim=1)
+
+
+def encode_png(image: torch.Tensor) -> bytes:
+    """PNG bytes of a ``uint8 (3, H, W)`` image (``torchvision.io.encode_png``, libpng, default compression): the one
+    PNG encoder of the plots (the train batch, val images, worst images)."""
+    from torchvision.io import encode_png as _encode
+
+    return _encode(image).numpy().tobytes()

@@ -42,6 +42,7 @@ from typing import Iterator
 import psutil
 
 from detpipe.errors import StageError
+from detpipe.net import bind_listener  # noqa: F401  (the agent's store sockets; public here for the tests)
 from detpipe.lifeline import LAUNCHER_PID_ENV, PR_SET_NAME, die_with_launcher, prctl
 from detpipe.worker_env import COLLECTIVE_TIMEOUT_ENV
 
@@ -143,23 +144,6 @@ def launch_env(cfg) -> dict[str, str]:
     if getattr(cfg, "socket_ifname", None):
         env.update({"GLOO_SOCKET_IFNAME": cfg.socket_ifname, "NCCL_SOCKET_IFNAME": cfg.socket_ifname})
     return env
-
-
-def bind_listener(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
-    """A listening TCP socket on ``host:port`` (an IP address or ``localhost``; port 0: a free one). Raises
-    `OSError` if the port is taken (another socket listens there). ``SO_REUSEADDR``, as torch's own store server
-    sets it: without it, a node that hosted the store and starts again within TCP's TIME_WAIT (60 s on Linux;
-    Slurm requeues the job onto the same first node) cannot bind the port, takes it for another agent's store,
-    joins it as a client and waits for nobody until the rendezvous times out."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(4096)
-    except OSError:
-        sock.close()
-        raise
-    return sock
 
 
 def listens_on_endpoint_only(host: str) -> bool:

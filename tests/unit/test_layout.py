@@ -82,6 +82,16 @@ def test_the_trainer_imports_no_evaluation_code():
     assert "detpipe/evaluation/periodic.py" in code_closure(ROOT / "stages/train.py")
 
 
+def test_one_helper_per_concern():
+    """Each of these is done in one module only: PNG encoding (`detpipe.evaluation.drawing.encode_png`), server
+    sockets (`detpipe.net.bind_listener`), saving a torch file (`detpipe.model_file`), box conversions (torchvision's ``box_convert`` through `detpipe.boxes`)."""
+    rules = {"torchvision.io import encode_png": {"drawing.py"}, "setsockopt(": {"net.py"}, "torch.save(": {"model_file.py"},
+             "import box_convert": {"boxes.py"}}
+    for needle, allowed in rules.items():
+        found = {f.name for f in (ROOT / "detpipe").rglob("*.py") if needle in f.read_text()}
+        assert found <= allowed, f"{needle!r} in {sorted(found - allowed)}"
+
+
 def test_dvc_yaml_code_deps_follow_the_imports():
     pipeline = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
     for name in STAGES:
