@@ -125,26 +125,44 @@ class Augment(_Section):
     shard_mb: float = Field(default=32, gt=0, description='Stored image bytes per cache shard, in MB (10^6 bytes); tens of MB suit streaming whole shards from object storage.')
 
 
+TrainRole = Literal["result", "schedule", "run", "launch"]
+"""What a `Train` field changes (`train_keys`)."""
+
+_LAUNCH = {"role": "launch"}
+"""Role of the `Train` fields that only say how the job is launched (torchrun, rendezvous, Slurm, Kubernetes, the
+collective timeout, the network interface): they change neither what is trained nor its result, so a checkpoint made
+with other values resumes (`detpipe.engine.checkpoints.fingerprint` leaves them out)."""
+_SCHEDULE = {"role": "schedule"}
+"""Role of the `Train` fields that only change the *schedule* of a training, not which training it is: a checkpoint
+made with other values of these is continued by ``train.resume: auto`` (model, optimizer, scaler, EMA, sampler and RNG
+state kept; the lr from the checkpoint's iteration on follows the plan for the new values:
+`detpipe.engine.hooks.lr_factor` over the new total)."""
+_RUN = {"role": "run"}
+"""Role of the `Train` fields that say how this run goes (resume policy, checkpoint cadence, loaders, threads,
+logging, where the cache is read from, evaluations) without changing the trained weights' training: left out of the
+checkpoint fingerprint."""
+
+
 class Train(_Section):
     model: str = Field(default="ssdlite320_mobilenet_v3_large", description='Detector name: a torchvision detection builder (torchvision.models.list_models(torchvision.models.detection)) or a transformers-family name (rtdetr_v2_r18vd, rtdetr_v2_r34vd, rtdetr_v2_r50vd_m, rtdetr_v2_r50vd, rtdetr_v2_r101vd, dfine_n, dfine_s, dfine_m; rtdetr_v2_tiny / dfine_tiny are small CPU-test configs), docs/train.md "Model families".')
     weights: Optional[str] = Field(default=None, description='Initial state_dict: local path or http(s):// / s3:// URL, a torchvision weights name (online only); for RT-DETRv2/D-FINE also a Hugging Face model folder (config.json + model.safetensors), a .safetensors file or a hub id (online only); exp:<experiment, branch or tag> (its models/model.pt; needs weights_sha256), checkpoint:best or checkpoint:last; null = random init.')
     weights_sha256: Optional[str] = Field(default=None, pattern=r"^[0-9a-f]{64}$", description='Hex sha256 the weights file must have (a Hugging Face folder: its manifest digest, python -m stages.download --print-sha256; required for exp:<name>: the pin dvc.lock records); null skips the check.')
     nproc_per_node: int = Field(default=1, ge=1, description='Worker processes per node (one per GPU on CUDA).')
-    nnodes: str = Field(default="1", pattern=r"^[1-9]\d*(:[1-9]\d*)?$", description='Nodes of the job: N, or MIN:MAX for an elastic job that goes on with as few as MIN nodes (torchrun --nnodes).')
-    rdzv_endpoint: str = Field(default="127.0.0.1:29400", pattern=r"^[^:\s]+:\d+$", description='host:port of the c10d rendezvous store when the job has more than one node: a node every node reaches (the first node under Slurm); one node uses a free port on 127.0.0.1.')
-    epochs: int = Field(default=8, ge=1, description='Passes over the train split.')
+    nnodes: str = Field(json_schema_extra=_LAUNCH, default="1", pattern=r"^[1-9]\d*(:[1-9]\d*)?$", description='Nodes of the job: N, or MIN:MAX for an elastic job that goes on with as few as MIN nodes (torchrun --nnodes).')
+    rdzv_endpoint: str = Field(json_schema_extra=_LAUNCH, default="127.0.0.1:29400", pattern=r"^[^:\s]+:\d+$", description='host:port of the c10d rendezvous store when the job has more than one node: a node every node reaches (the first node under Slurm); one node uses a free port on 127.0.0.1.')
+    epochs: int = Field(json_schema_extra=_SCHEDULE, default=8, ge=1, description='Passes over the train split.')
     batch_size: int = Field(default=16, ge=1, description='Images per process per micro-batch.')
     accumulate: int = Field(default=1, ge=1, description='Micro-batches per optimizer step (gradient accumulation).')
-    base_batch_size: Optional[int] = Field(default=None, ge=1, description='If set, lr is scaled by total batch / base_batch_size (linear scaling rule, Goyal et al. 2017).')
-    lr: float = Field(default=0.05, gt=0, description='Peak learning rate of the optimizer (before scaling): 0.05 suits SGD, 0.0001 AdamW (train.optimizer).')
+    base_batch_size: Optional[int] = Field(json_schema_extra=_SCHEDULE, default=None, ge=1, description='If set, lr is scaled by total batch / base_batch_size (linear scaling rule, Goyal et al. 2017).')
+    lr: float = Field(json_schema_extra=_SCHEDULE, default=0.05, gt=0, description='Peak learning rate of the optimizer (before scaling): 0.05 suits SGD, 0.0001 AdamW (train.optimizer).')
     optimizer: Literal["auto", "sgd", "adamw"] = Field(default="auto", description="Optimizer: auto (the model family's recipe: sgd for torchvision's models, adamw for the transformers family's RT-DETRv2 / D-FINE), sgd (torch SGD with momentum) or adamw (torch AdamW, betas 0.9/0.999; weight decay exempt for 1-D parameters: norms and biases; needs train.lr <= 0.01, 0.0001 is the papers').")
     backbone_lr_mult: Optional[float] = Field(default=None, ge=0, description="The backbone's learning rate = lr x this factor; null = the family's (1.0 torchvision, 0.1 transformers as RT-DETR/D-FINE).")
     momentum: float = Field(default=0.9, ge=0, lt=1, description='SGD momentum.')
-    weight_decay: float = Field(default=4e-5, ge=0, description='Weight decay: SGD L2 on every parameter; AdamW decoupled, on parameters of 2+ dimensions only (train.optimizer).')
-    schedule: Literal["cosine", "multistep"] = Field(default="cosine", description='LR schedule after linear warmup, per iteration: cosine or multistep.')
-    milestones: list[float] = Field(default_factory=lambda: [0.67, 0.89], description='multistep: increasing fractions of training in (0, 1) where lr *= gamma.')
-    gamma: float = Field(default=0.1, gt=0, le=1, description='multistep: factor applied at each milestone.')
-    warmup_iters: int = Field(default=10, ge=0, description='Iterations of linear LR warmup.')
+    weight_decay: float = Field(json_schema_extra=_SCHEDULE, default=4e-5, ge=0, description='Weight decay: SGD L2 on every parameter; AdamW decoupled, on parameters of 2+ dimensions only (train.optimizer).')
+    schedule: Literal["cosine", "multistep"] = Field(json_schema_extra=_SCHEDULE, default="cosine", description='LR schedule after linear warmup, per iteration: cosine or multistep.')
+    milestones: list[float] = Field(json_schema_extra=_SCHEDULE, default_factory=lambda: [0.67, 0.89], description='multistep: increasing fractions of training in (0, 1) where lr *= gamma.')
+    gamma: float = Field(json_schema_extra=_SCHEDULE, default=0.1, gt=0, le=1, description='multistep: factor applied at each milestone.')
+    warmup_iters: int = Field(json_schema_extra=_SCHEDULE, default=10, ge=0, description='Iterations of linear LR warmup.')
     hflip: float = Field(default=0.5, ge=0, le=1, description='Probability of a horizontal flip per image per epoch.')
     augment: Literal["auto", "flip", "ssd", "detr", "yolo"] = Field(default="auto", description="Train-time augmentation preset (docs/augment.md, detpipe.data.train_transforms): flip (hflip only), ssd (torchvision's SSD recipe: photometric distort, zoom-out, IoU crop), detr (RT-DETRv2's: the same with IoU crop p 0.8, off for the last epoch), yolo (Ultralytics' defaults: mosaic, HSV-like colour jitter, scale 0.5, translate 0.1, mosaic closed for the last 10 % of epochs); auto: the model's (ssd* models ssd, rtdetr/dfine/deim detr, others flip). Every preset also flips with hflip. The keys photometric .. stop_augment override the preset's values (null: the preset's).")
     photometric: Optional[float] = Field(default=None, ge=0, le=1, description="Probability of the colour op per image (ssd/detr: RandomPhotometricDistort; yolo: ColorJitter with Ultralytics' HSV gains); null = the preset's (ssd/detr 0.5, yolo 1, flip 0).")
@@ -160,42 +178,42 @@ class Train(_Section):
     close_mosaic: Optional[int] = Field(default=None, ge=0, description="The last this many epochs run without mosaic and mixup; null = the preset's (yolo: max(1, round(0.1 x epochs)), Ultralytics' 10 of 100).")
     stop_augment: Optional[int] = Field(default=None, ge=0, description="The last this many epochs run with the flip only (RT-DETR's stop_epoch); null = the preset's (detr 1).")
     seed: int = Field(default=0, description="Seed of the sampler, flips, augmentation draws and model init (every rank's RNG derives from it).")
-    num_workers: int = Field(default=0, ge=0, description='DataLoader worker processes per training process.')
-    checkpoint_every: int = Field(default=20, ge=1, description='Iterations between checkpoints (and one at the end).')
-    keep_last: int = Field(default=2, ge=1, description='Checkpoints kept (older ones deleted).')
-    resume: Literal["auto", "restart", "never", "must"] = Field(default="auto", description='auto: continue from the newest checkpoint of the same training (same params but the schedule keys of SCHEDULE, same data), the lr schedule re-planned from its iteration for changed schedule keys (docs/train.md, "Continuing a run"); restart: resume only a checkpoint of identical params, else start fresh; never: start fresh; must: as auto, but fail without such a checkpoint.')
+    num_workers: int = Field(json_schema_extra=_RUN, default=0, ge=0, description='DataLoader worker processes per training process.')
+    checkpoint_every: int = Field(json_schema_extra=_RUN, default=20, ge=1, description='Iterations between checkpoints (and one at the end).')
+    keep_last: int = Field(json_schema_extra=_RUN, default=2, ge=1, description='Checkpoints kept (older ones deleted).')
+    resume: Literal["auto", "restart", "never", "must"] = Field(json_schema_extra=_RUN, default="auto", description='auto: continue from the newest checkpoint of the same training (same params but the schedule keys, same data), the lr schedule re-planned from its iteration for changed schedule keys (docs/train.md, "Continuing a run"); restart: resume only a checkpoint of identical params, else start fresh; never: start fresh; must: as auto, but fail without such a checkpoint.')
     amp: Literal["off", "bf16", "fp16"] = Field(default="off", description='Mixed precision: off, bf16 (autocast) or fp16 (autocast + grad scaler on CUDA).')
     max_bad_steps: int = Field(default=5, ge=0, description='Non-finite-loss steps skipped before training stops with an error.')
-    threads: int = Field(default=0, ge=0, description='torch intra-op threads per process; 0 = cores / nproc_per_node.')
+    threads: int = Field(json_schema_extra=_RUN, default=0, ge=0, description='torch intra-op threads per process; 0 = cores / nproc_per_node.')
     deterministic: bool = Field(default=False, description='torch.use_deterministic_algorithms(True).')
     channels_last: bool = Field(default=False, description='Model and inputs in channels_last memory format.')
     compile: bool = Field(default=False, description='torch.compile the model.')
     ema: bool = Field(default=False, description='Keep an exponential moving average of the weights; it is what gets evaluated and exported.')
-    ema_decay: float = Field(default=0.9998, gt=0, lt=1, description='EMA decay per iteration.')
-    eval_every: int = Field(default=0, ge=0, description='Iterations between COCO evaluations on val (0 = off); the best goes to checkpoints/best.pt.')
-    patience: int = Field(default=0, ge=0, description='Early stopping: stop after this many evaluations in a row (eval_every) whose val AP does not exceed the best so far by more than min_delta; 0 = off. Every rank stops at the same iteration; the count is checkpoint state.')
-    min_delta: float = Field(default=0.0, ge=0, description='Early stopping: the smallest val AP gain (AP@[.5:.95], 0..1) that counts as an improvement.')
-    final: Literal["last", "best"] = Field(default="last", description='Weights written to models/model.pt: last (the final iteration, its EMA with ema) or best (checkpoints/best.pt: the highest val AP of the evaluations; needs eval_every).')
-    log_every: int = Field(default=1, ge=1, description='Iterations between DVCLive metric rows.')
-    cache_url: Optional[str] = Field(default=None, description='Read the augmentation cache from this URL (s3://bucket/cache?endpoint_override=host:port&scheme=http) instead of data/cache.')
-    cache_local_dir: Optional[str] = Field(default=None, description='cache_url: folder where whole shards are prefetched before use (deleted when consumed); null = a temporary folder.')
-    cache_local_bytes: int = Field(default=2_000_000_000, ge=1, description='cache_url: bytes of prefetched shards held in cache_local_dir, copies in flight included (about; a shard needed now is fetched even beyond it). The prefetcher keeps about 2 x consumption rate x copy time of shards ahead: the bound must hold that (and at least 2 x 8 shards) for the loader never to wait.')
-    log_every_s: float = Field(default=30.0, gt=0, description='Seconds between progress log lines (iteration/total, epoch, loss, lr, images/s, ETA) when stderr is not a terminal; a terminal gets a tqdm bar.')
-    max_restarts: int = Field(default=3, ge=0, description='Times torchrun restarts the worker group after a worker or node fails (torchrun --max-restarts); every restart resumes from the newest checkpoint.')
-    rdzv_id: Optional[str] = Field(default=None, pattern=r"^[A-Za-z0-9_.-]+$", description='Job id of the rendezvous (torchrun --rdzv-id), the same on every node; null = $SLURM_JOB_ID under Slurm, else derived from the params.')
-    rdzv_join_timeout_s: int = Field(default=600, ge=1, description='Seconds a (re)starting node waits for at least MIN nodes to join the rendezvous before the job fails.')
-    rdzv_last_call_s: int = Field(default=30, ge=0, description='Seconds the rendezvous waits for more nodes (up to MAX) once MIN have joined.')
-    socket_ifname: Optional[str] = Field(default=None, pattern=r"^[A-Za-z0-9_.:,^-]+$", description='Network interface(s) of the workers\' gloo / NCCL traffic between nodes, e.g. eth1 (exported as GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME); null = torch\'s choice from the hostname (a loopback endpoint uses lo). Set it on a cluster whose hostname does not resolve to the address the other nodes reach.')
-    collective_timeout_s: float = Field(default=600, gt=0, description='Seconds a collective (all-reduce, barrier) may wait for its peers before the worker fails with one line naming the lost rank and host, so that torchrun restarts the group from the newest checkpoint instead of hanging on a node that dropped off the network (torch defaults: gloo 30 min, nccl 10 min). Must exceed the longest time ranks wait for rank 0 alone (evaluation with eval_every, a checkpoint write).')
-    launcher: Literal["local", "slurm"] = Field(default="local", description='local: run torchrun here; slurm: submit the job with sbatch, stream its log, wait, scancel it when this stage is stopped.')
-    slurm_partition: Optional[str] = Field(default=None, description='Slurm partition (sbatch --partition); null = the cluster default.')
-    slurm_time: str = Field(default="24:00:00", pattern=r"^[0-9:-]+$", description='Slurm time limit of the job (sbatch --time).')
-    slurm_tasks_per_node: int = Field(default=1, ge=1, description='torchrun agents per Slurm node (1 on a real cluster; 2 lets one machine act as two nodes in tests).')
-    slurm_cpus_per_task: int = Field(default=0, ge=0, description='CPU cores per agent (sbatch --cpus-per-task); 0 = not set.')
-    slurm_extra: list[str] = Field(default_factory=list, description='Extra sbatch options, one per item, e.g. "--gres=gpu:8" or "--account=proj".')
-    k8s_image: str = Field(default="detpipe:latest", description='Container image of the Kubernetes manifest (python -m stages.train --emit k8s).')
-    k8s_pvc: Optional[str] = Field(default=None, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", description='Name of a ReadWriteMany PersistentVolumeClaim the Kubernetes manifest mounts in every pod at checkpoints/, models/ and dvclive/ (subPaths of those names: rank 0 writes them from whichever pod it runs in, any pod may resume); null = none: the manifest then refuses nnodes MAX > 1, and for one pod warns that the outputs are lost with the container.')
-    k8s_gpus: int = Field(default=0, ge=0, description='GPUs each Kubernetes pod requests (resources limits and requests nvidia.com/gpu); 0 = none (CPU pods). Else at least nproc_per_node (one worker process per GPU: fewer is refused, more warns of idle GPUs).')
+    ema_decay: float = Field(json_schema_extra=_SCHEDULE, default=0.9998, gt=0, lt=1, description='EMA decay per iteration.')
+    eval_every: int = Field(json_schema_extra=_RUN, default=0, ge=0, description='Iterations between COCO evaluations on val (0 = off); the best goes to checkpoints/best.pt.')
+    patience: int = Field(json_schema_extra=_SCHEDULE, default=0, ge=0, description='Early stopping: stop after this many evaluations in a row (eval_every) whose val AP does not exceed the best so far by more than min_delta; 0 = off. Every rank stops at the same iteration; the count is checkpoint state.')
+    min_delta: float = Field(json_schema_extra=_SCHEDULE, default=0.0, ge=0, description='Early stopping: the smallest val AP gain (AP@[.5:.95], 0..1) that counts as an improvement.')
+    final: Literal["last", "best"] = Field(json_schema_extra=_RUN, default="last", description='Weights written to models/model.pt: last (the final iteration, its EMA with ema) or best (checkpoints/best.pt: the highest val AP of the evaluations; needs eval_every).')
+    log_every: int = Field(json_schema_extra=_RUN, default=1, ge=1, description='Iterations between DVCLive metric rows.')
+    cache_url: Optional[str] = Field(json_schema_extra=_RUN, default=None, description='Read the augmentation cache from this URL (s3://bucket/cache?endpoint_override=host:port&scheme=http) instead of data/cache.')
+    cache_local_dir: Optional[str] = Field(json_schema_extra=_RUN, default=None, description='cache_url: folder where whole shards are prefetched before use (deleted when consumed); null = a temporary folder.')
+    cache_local_bytes: int = Field(json_schema_extra=_RUN, default=2_000_000_000, ge=1, description='cache_url: bytes of prefetched shards held in cache_local_dir, copies in flight included (about; a shard needed now is fetched even beyond it). The prefetcher keeps about 2 x consumption rate x copy time of shards ahead: the bound must hold that (and at least 2 x 8 shards) for the loader never to wait.')
+    log_every_s: float = Field(json_schema_extra=_RUN, default=30.0, gt=0, description='Seconds between progress log lines (iteration/total, epoch, loss, lr, images/s, ETA) when stderr is not a terminal; a terminal gets a tqdm bar.')
+    max_restarts: int = Field(json_schema_extra=_LAUNCH, default=3, ge=0, description='Times torchrun restarts the worker group after a worker or node fails (torchrun --max-restarts); every restart resumes from the newest checkpoint.')
+    rdzv_id: Optional[str] = Field(json_schema_extra=_LAUNCH, default=None, pattern=r"^[A-Za-z0-9_.-]+$", description='Job id of the rendezvous (torchrun --rdzv-id), the same on every node; null = $SLURM_JOB_ID under Slurm, else derived from the params.')
+    rdzv_join_timeout_s: int = Field(json_schema_extra=_LAUNCH, default=600, ge=1, description='Seconds a (re)starting node waits for at least MIN nodes to join the rendezvous before the job fails.')
+    rdzv_last_call_s: int = Field(json_schema_extra=_LAUNCH, default=30, ge=0, description='Seconds the rendezvous waits for more nodes (up to MAX) once MIN have joined.')
+    socket_ifname: Optional[str] = Field(json_schema_extra=_LAUNCH, default=None, pattern=r"^[A-Za-z0-9_.:,^-]+$", description='Network interface(s) of the workers\' gloo / NCCL traffic between nodes, e.g. eth1 (exported as GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME); null = torch\'s choice from the hostname (a loopback endpoint uses lo). Set it on a cluster whose hostname does not resolve to the address the other nodes reach.')
+    collective_timeout_s: float = Field(json_schema_extra=_LAUNCH, default=600, gt=0, description='Seconds a collective (all-reduce, barrier) may wait for its peers before the worker fails with one line naming the lost rank and host, so that torchrun restarts the group from the newest checkpoint instead of hanging on a node that dropped off the network (torch defaults: gloo 30 min, nccl 10 min). Must exceed the longest time ranks wait for rank 0 alone (evaluation with eval_every, a checkpoint write).')
+    launcher: Literal["local", "slurm"] = Field(json_schema_extra=_LAUNCH, default="local", description='local: run torchrun here; slurm: submit the job with sbatch, stream its log, wait, scancel it when this stage is stopped.')
+    slurm_partition: Optional[str] = Field(json_schema_extra=_LAUNCH, default=None, description='Slurm partition (sbatch --partition); null = the cluster default.')
+    slurm_time: str = Field(json_schema_extra=_LAUNCH, default="24:00:00", pattern=r"^[0-9:-]+$", description='Slurm time limit of the job (sbatch --time).')
+    slurm_tasks_per_node: int = Field(json_schema_extra=_LAUNCH, default=1, ge=1, description='torchrun agents per Slurm node (1 on a real cluster; 2 lets one machine act as two nodes in tests).')
+    slurm_cpus_per_task: int = Field(json_schema_extra=_LAUNCH, default=0, ge=0, description='CPU cores per agent (sbatch --cpus-per-task); 0 = not set.')
+    slurm_extra: list[str] = Field(json_schema_extra=_LAUNCH, default_factory=list, description='Extra sbatch options, one per item, e.g. "--gres=gpu:8" or "--account=proj".')
+    k8s_image: str = Field(json_schema_extra=_LAUNCH, default="detpipe:latest", description='Container image of the Kubernetes manifest (python -m detpipe.launch.emit k8s).')
+    k8s_pvc: Optional[str] = Field(json_schema_extra=_LAUNCH, default=None, pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", description='Name of a ReadWriteMany PersistentVolumeClaim the Kubernetes manifest mounts in every pod at checkpoints/, models/ and dvclive/ (subPaths of those names: rank 0 writes them from whichever pod it runs in, any pod may resume); null = none: the manifest then refuses nnodes MAX > 1, and for one pod warns that the outputs are lost with the container.')
+    k8s_gpus: int = Field(json_schema_extra=_LAUNCH, default=0, ge=0, description='GPUs each Kubernetes pod requests (resources limits and requests nvidia.com/gpu); 0 = none (CPU pods). Else at least nproc_per_node (one worker process per GPU: fewer is refused, more warns of idle GPUs).')
 
     @field_validator("amp", mode="before")
     @classmethod
@@ -233,21 +251,23 @@ class Train(_Section):
         return self
 
 
-LAUNCH_ONLY = frozenset({"nnodes", "rdzv_endpoint", "max_restarts", "rdzv_id", "rdzv_join_timeout_s",
-                         "rdzv_last_call_s", "launcher", "slurm_partition", "slurm_time", "slurm_tasks_per_node",
-                         "slurm_cpus_per_task", "slurm_extra", "k8s_image", "k8s_pvc", "k8s_gpus",
-                         "collective_timeout_s", "socket_ifname"})
-"""`Train` fields that only say how the job is launched (torchrun, rendezvous, Slurm, Kubernetes, the collective
-timeout, the network interface): they change neither what is trained nor its result, so a checkpoint made with other
-values resumes (`detpipe.engine.checkpoints.fingerprint` leaves them out)."""
+def train_keys(role: TrainRole) -> frozenset[str]:
+    """The `Train` fields of one role (each field's ``json_schema_extra["role"]``; a field without one is
+    ``"result"``). The one classification of the train keys, read by the checkpoint fingerprint
+    (`detpipe.engine.checkpoints.fingerprint`), schedule continuation (``schedule``) and the launch params
+    (`detpipe.launch.stage.LaunchParams`, ``launch``):
 
-SCHEDULE = frozenset({"epochs", "lr", "base_batch_size", "schedule", "milestones", "gamma", "warmup_iters",
-                      "weight_decay", "ema_decay", "patience", "min_delta"})
-"""`Train` fields that only change the *schedule* of a training, not which training it is: a checkpoint made with
-other values of these is continued by ``train.resume: auto`` (model, optimizer, scaler, EMA, sampler and RNG state
-kept; the lr from the checkpoint's iteration on follows the plan for the new values: `detpipe.engine.hooks.lr_factor`
-over the new total). Every other result-changing field (model, classes through the data, resize, augmentation,
-seed, batch composition, precision, momentum) makes another training (`detpipe.engine.checkpoints.fingerprint`)."""
+    - ``result``: changes which training it is (model, data handling, augmentation, seed, batch, precision...).
+    - ``schedule``: only the schedule of the same training (`_SCHEDULE`).
+    - ``run``: how this run goes, not its result (`_RUN`).
+    - ``launch``: only how the job is launched (`_LAUNCH`).
+    """
+    return frozenset(k for k, f in Train.model_fields.items() if _role_of(f) == role)
+
+
+def _role_of(field) -> str:
+    return (field.json_schema_extra or {}).get("role", "result")
+
 
 class Evaluate(_Section):
     batch_size: int = Field(default=16, ge=1, description='Images per forward pass.')

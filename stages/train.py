@@ -5,8 +5,9 @@
 slurm``); each worker (detected by torchrun's ``LOCAL_RANK`` variable) trains with DDP — gloo on CPU, nccl on
 CUDA. A worker binds itself to its launcher as it starts (exec'd: before it imports torch): the kernel kills it when
 the launcher dies, at once if the launcher died before (`detpipe.lifeline.die_with_launcher`), so a ``kill -9``
-of the stage never leaves workers training on beside the next run. ``python -m stages.train --emit slurm|k8s``
-writes the Slurm script / Kubernetes manifest instead (docs/multi-node.md).
+of the stage never leaves workers training on beside the next run. ``python -m detpipe.launch.emit slurm|k8s``
+writes the Slurm script / Kubernetes manifest instead (docs/multi-node.md; not imported here, so editing it does not
+invalidate trained models).
 
 Outputs: ``checkpoints/ckpt-NNNNNNN.pt`` (kept across runs: ``persist: true`` in dvc.yaml), ``models/model.pt``
 (``{"model": state_dict, "config": {...}}`` for the evaluate and export stages), ``dvclive/`` (training
@@ -38,40 +39,48 @@ WORKER_PRELOAD = ("detpipe.engine.trainer", "detpipe.engine.distributed")
 
 def main(argv: list[str] | None = None) -> None:
     """Worker (under torchrun): first bind to the launcher (`detpipe.lifeline.die_with_launcher`), then train
-    (`detpipe.engine.trainer.train`). Otherwise check inputs and launch (`detpipe.launch.jobs.check_and_launch`), or
-    with ``--emit slurm|k8s [--out FILE]`` only write the job description for the current params."""
-    worker = "LOCAL_RANK" in os.environ
+    (`detpipe.engine.trainer.train`). Otherwise check inputs and launch the workers
+    (`detpipe.launch.stage.run_stage`, `detpipe.launch.jobs`)."""
+    worker = "LOCAL_RANK" in os.environ  # `detpipe.launch.stage.is_worker`, before anything heavy is imported
     if worker:
         die_with_launcher()
     import argparse
-    from pathlib import Path
 
+    from detpipe.launch.stage import LaunchParams, run_stage
     from detpipe.params import load
 
     ap = argparse.ArgumentParser(prog="python -m stages.train", description=__doc__.splitlines()[0])
-    ap.add_argument("--emit", choices=["slurm", "k8s"], help="write the Slurm sbatch script or Kubernetes manifest")
-    ap.add_argument("--out", type=Path, help="file to write (default: stdout)")
-    args = ap.parse_args(argv)
+    ap.parse_args(argv)
     cfg = load("train")
-    if worker:
+
+    def work() -> None:
         from detpipe.engine.trainer import train
         from detpipe.engine.distributed import collective_errors
 
         with collective_errors():  # a timed-out collective: one line naming the lost peer, exit status 2
-            train(cfg)
-    else:
+            train(cfg, eval_fn_factory=eval_fn_factory)
+
+    def eval_fn_factory(cache_root, arrow_meta):  # imported only with train.eval_every (COCOeval, pycocotools)
+        from detpipe.evaluation.periodic import make_eval_fn
+
+        return make_eval_fn(cache_root, arrow_meta)
+
+    def prepare() -> None:
+        from detpipe.engine.checkpoints import check_resume  # torch, not torchvision
+        from detpipe.launch import jobs
+        from detpipe.launch.torchrun import prepare_fork, worker_start
+
+        if worker_start() == "fork":
+            prepare_fork()  # before anything runs in torch: the workers are forked from this process
+        check_resume(cfg)  # a resume every worker would refuse: one line here, no restarted workers
+        jobs.check_inputs(cfg)
+
+    def submit(launch: LaunchParams, module: str) -> None:
         from detpipe.launch import jobs
 
-        if args.emit:
-            jobs.write_job(cfg, args.emit, args.out)
-        else:
-            from detpipe.engine.checkpoints import check_resume  # torch, not torchvision
-            from detpipe.launch.torchrun import prepare_fork, worker_start
+        jobs.launch(cfg)  # torchrun here with `launch`, or the Slurm job (train.launcher)
 
-            if worker_start() == "fork":
-                prepare_fork()  # before anything runs in torch: the workers are forked from this process
-            check_resume(cfg)  # a resume every worker would refuse: one line here, no restarted workers
-            jobs.check_and_launch(cfg)
+    run_stage("stages.train", LaunchParams.of_train(cfg), work, prepare=prepare, submit=submit)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from torchvision.transforms import v2 as T
 from torchvision.transforms.v2 import functional as TF
 
 from detpipe import params as params_mod
+from detpipe.boxes import convert
 from detpipe.errors import StageError
 from detpipe.data.imageio import decode_rgb
 from detpipe.data.cache_format import ZOOM_OUT_FILL
@@ -72,8 +73,7 @@ def encode_pixels(chw: np.ndarray, cfg: params_mod.Augment) -> bytes:
 def coco_to_xyxy(bbox_xywh: np.ndarray, height: int, width: int) -> np.ndarray:
     """COCO ``[x, y, w, h]`` boxes ``(N, 4)`` in pixels → XYXY ``(N, 4)`` float64, clamped to the
     ``height x width`` image (as torchvision's ``ConvertCocoPolysToMask``)."""
-    b = np.asarray(bbox_xywh, dtype=np.float64).reshape(-1, 4)
-    xyxy = np.concatenate([b[:, :2], b[:, :2] + b[:, 2:]], axis=1)
+    xyxy = convert(np.asarray(bbox_xywh, dtype=np.float64).reshape(-1, 4), "xywh", "xyxy")
     xyxy[:, 0::2] = xyxy[:, 0::2].clip(0, width)
     xyxy[:, 1::2] = xyxy[:, 1::2].clip(0, height)
     return xyxy

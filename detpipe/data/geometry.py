@@ -8,6 +8,7 @@ from typing import Any, Sequence
 import numpy as np
 from PIL import Image
 
+from detpipe.boxes import xyxy_to_xywh
 from detpipe.data.imageio import EXIF_TRANSPOSE
 
 
@@ -39,7 +40,7 @@ def orient_box(box: Sequence[float], width: int, height: int, orientation: int) 
     p = orient_points([[x, y], [x + w, y + h]], width, height, orientation)
     x0, y0 = p.min(axis=0)
     x1, y1 = p.max(axis=0)
-    return [float(x0), float(y0), float(x1 - x0), float(y1 - y0)]
+    return xyxy_to_xywh(float(x0), float(y0), float(x1), float(y1))
 
 
 def orient_segmentation(seg: Any, width: int, height: int, orientation: int) -> Any:

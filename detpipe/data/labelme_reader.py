@@ -82,6 +82,7 @@ from pathlib import Path
 
 import orjson
 
+from detpipe.boxes import xyxy_to_xywh
 from detpipe.data.coco_schema import polygon_area
 from detpipe.data.translate import CocoWriter, Dataset, Translated, count_finding, displayed_fix, to_stored
 from detpipe.errors import StageError
@@ -192,7 +193,7 @@ def _merge(parts: list[tuple]) -> LabelMeObject:
     if any(p[4] is not None for p in parts):
         seg = [p[4] if p[4] is not None else [p[2][0], p[2][1], p[2][2], p[2][1], p[2][2], p[2][3], p[2][0], p[2][3]]
                for p in parts]
-    return LabelMeObject(parts[0][0], parts[0][1], [x0, y0, x1 - x0, y1 - y0], sum(p[3] for p in parts), seg,
+    return LabelMeObject(parts[0][0], parts[0][1], xyxy_to_xywh(x0, y0, x1, y1), sum(p[3] for p in parts), seg,
                          len(parts))
 
 

@@ -18,11 +18,36 @@ from detpipe.files import is_url, join_url, read_url_bytes
 
 META_FILE = "meta.json"
 
-__all__ = ["META_FILE", "read_meta", "read_cache_meta_bytes", "arrow_shards"]
+__all__ = ["META_FILE", "read_meta", "read_meta_bytes", "read_cache_meta_bytes", "arrow_shards"]
+
+_LOADED: dict[str, tuple[tuple[int, int, int], bytes, dict]] = {}
+"""The ``meta.json`` files this process has read: resolved path -> ((inode, size, mtime_ns), bytes, parsed)."""
+
+
+def _load(path: Path, stage: str | None) -> tuple[bytes, dict]:
+    """``path``'s bytes and parsed JSON, read once per process: again only when the file changed (another inode,
+    size or modification time: a stage rerun in the same process, a test rewriting it)."""
+    run = f"the {stage} stage" if stage else "the previous stages"
+    try:
+        st = path.stat()
+        key, stamp = str(path.resolve()), (st.st_ino, st.st_size, st.st_mtime_ns)
+        hit = _LOADED.get(key)
+        if hit is not None and hit[0] == stamp:
+            return hit[1], hit[2]
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise StageError(f"{path}: not found (run {run} first)") from None
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise StageError(f"{path}: not valid JSON ({e})") from None
+    _LOADED[key] = (stamp, raw, data)
+    return raw, data
 
 
 def read_meta(path: str | Path, stage: str | None = None) -> dict:
-    """Read a stage's ``meta.json`` (a local file) as a dict.
+    """A stage's ``meta.json`` (a local file) as a dict, read once per process (`_load`): every caller of one file
+    gets the same object, which must not be modified.
 
     Args:
         path: the file.
@@ -31,14 +56,13 @@ def read_meta(path: str | Path, stage: str | None = None) -> dict:
         StageError: the file is missing (``<path>: not found (run the <stage> stage first)``, or "the previous
             stages" without ``stage``) or not JSON (``<path>: not valid JSON (...)``).
     """
-    path = Path(path)
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        run = f"the {stage} stage" if stage else "the previous stages"
-        raise StageError(f"{path}: not found (run {run} first)") from None
-    except json.JSONDecodeError as e:
-        raise StageError(f"{path}: not valid JSON ({e})") from None
+    return _load(Path(path), stage)[1]
+
+
+def read_meta_bytes(path: str | Path, stage: str | None = None) -> bytes:
+    """The bytes of the ``meta.json`` `read_meta` parses (the same single read; what a checkpoint fingerprint
+    hashes). Raises as `read_meta`."""
+    return _load(Path(path), stage)[0]
 
 
 def read_cache_meta_bytes(root: str) -> bytes:

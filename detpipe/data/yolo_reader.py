@@ -46,6 +46,7 @@ from pathlib import Path
 import yaml
 from PIL import Image, UnidentifiedImageError
 
+from detpipe.boxes import cxcywh_to_xywh
 from detpipe.data.coco_schema import polygon_area
 from detpipe.data.translate import (CocoWriter, Dataset, Translated, count_finding, image_size, needs_stored_frame,
                                     to_stored)
@@ -246,7 +247,7 @@ def to_coco(data: YoloData, images: list[str], raw_root: Path, out: Path, split:
             seg = None
             if len(v) == 4:
                 cx, cy, bw, bh = v
-                box = [(cx - bw / 2) * w, (cy - bh / 2) * h, bw * w, bh * h]
+                box = [c * s for c, s in zip(cxcywh_to_xywh(cx, cy, bw, bh), (w, h, w, h))]
                 area = box[2] * box[3]
             else:
                 xy = [c * (w if i % 2 == 0 else h) for i, c in enumerate(v)]

@@ -76,10 +76,9 @@ def _tile(image: torch.Tensor, target: dict, scale: float, label_names: list[str
         for k, js in by_class.items():
             tile = draw_masks(tile, [rles[j] for j in js], class_color(k))
     for k, js in by_class.items():
-        xywh = [[x0, y0, x1 - x0, y1 - y0] for x0, y0, x1, y1 in boxes[js].tolist()]
         names = None if label_names is None else \
             [label_names[k] if 0 <= k < len(label_names) else str(k)] * len(js)
-        tile = draw_boxes(tile, xywh, class_color(k), width=width, labels=names)
+        tile = draw_boxes(tile, boxes[js].tolist(), class_color(k), width=width, labels=names, fmt="xyxy")
     return tile
 
 
@@ -96,9 +95,3 @@ def draw_batch(micro: list[tuple[list[torch.Tensor], list[dict]]], label_names: 
         grid[:, y:y + tile.shape[1], x:x + tile.shape[2]] = tile
     return grid
 
-
-def encode_png(grid: torch.Tensor) -> bytes:
-    """PNG bytes of a ``uint8 (3, H, W)`` image."""
-    from torchvision.io import encode_png as _encode
-
-    return _encode(grid).numpy().tobytes()

@@ -14,17 +14,15 @@ import torch
 
 from detpipe import params as params_mod
 from detpipe.errors import StageError
-from detpipe.files import atomic_open
+from detpipe.model_file import save_torch_atomic
 from detpipe.paths import ARROW_META, CACHE_DIR, CKPT_DIR
 from detpipe.paths import checkpoint_path, list_checkpoints  # noqa: F401  (re-exported: the trainer's names)
 
 log = logging.getLogger("detpipe.engine.checkpoints")
 
 FORMAT = 3  # 3: the fingerprint leaves out the schedule keys, stored apart as "schedule" (2: it covered them; the trainer's EventStorage holds the metric rows; 1: MetricsHook did)
-def save_atomic(obj, path: Path | str) -> None:
-    """``torch.save(obj)`` to ``path`` atomically (`detpipe.files.atomic_open`: temporary file, fsync, rename)."""
-    with atomic_open(path) as f:
-        torch.save(obj, f)
+save_atomic = save_torch_atomic
+"""Save a torch object to ``path`` atomically (`detpipe.model_file.save_torch_atomic`)."""
 
 
 def rng_state() -> dict:
@@ -164,18 +162,12 @@ def schedule_changes(old: dict | None, new: dict | None) -> str:
     return ", ".join(f"{k} {old.get(k)} -> {new.get(k)}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k))
 
 
-# Params that do not change the result of training: a checkpoint made with other values resumes.
-_NOT_IN_FINGERPRINT = {"resume", "final", "keep_last", "checkpoint_every", "num_workers", "threads", "log_every",
-                       "eval_every", "log_every_s", "cache_url", "cache_local_dir",
-                       "cache_local_bytes"} | params_mod.LAUNCH_ONLY
-
-
 def fingerprint(cfg: params_mod.Train, cache_meta: bytes, arrow_meta: bytes) -> str:
     """Which training a checkpoint belongs to: sha256 (hex) over the training params that affect the result, except
-    the schedule keys (`detpipe.params.SCHEDULE`: a checkpoint with other values of those is the same training,
+    the schedule keys (`detpipe.params.train_keys` ``"schedule"``: a checkpoint with other values of those is the same training,
     continued with another schedule: `schedule_params`), and the data's meta files (bytes)."""
-    relevant = {k: v for k, v in cfg.model_dump().items()
-                if k not in _NOT_IN_FINGERPRINT and k not in params_mod.SCHEDULE}
+    result_keys = params_mod.train_keys("result")  # not schedule, run or launch keys
+    relevant = {k: v for k, v in cfg.model_dump().items() if k in result_keys}
     h = hashlib.sha256(json.dumps(relevant, sort_keys=True).encode())
     h.update(cache_meta)
     h.update(arrow_meta)
@@ -183,8 +175,10 @@ def fingerprint(cfg: params_mod.Train, cache_meta: bytes, arrow_meta: bytes) -> 
 
 
 def schedule_params(cfg: params_mod.Train) -> dict:
-    """The schedule keys of ``cfg`` (`detpipe.params.SCHEDULE`) and their values, as a checkpoint stores them."""
-    return {k: v for k, v in cfg.model_dump().items() if k in params_mod.SCHEDULE}
+    """The schedule keys of ``cfg`` (`detpipe.params.train_keys` ``"schedule"``) and their values, as a checkpoint
+    stores them."""
+    keys = params_mod.train_keys("schedule")
+    return {k: v for k, v in cfg.model_dump().items() if k in keys}
 
 
 def check_resume(cfg: params_mod.Train, cache_dir: Path = CACHE_DIR, arrow_meta: Path = ARROW_META,
@@ -196,12 +190,12 @@ def check_resume(cfg: params_mod.Train, cache_dir: Path = CACHE_DIR, arrow_meta:
     Raises:
         StageError: as `resume_decision`; missing meta files.
     """
-    from detpipe.data.meta import read_cache_meta_bytes
+    from detpipe.data.meta import read_cache_meta_bytes, read_meta_bytes
 
     if cfg.resume == "never":
         return
     arrow_meta = Path(arrow_meta)
     if not arrow_meta.is_file():
         return  # the launcher's input checks name it
-    fp = fingerprint(cfg, read_cache_meta_bytes(cfg.cache_url or str(cache_dir)), arrow_meta.read_bytes())
+    fp = fingerprint(cfg, read_cache_meta_bytes(cfg.cache_url or str(cache_dir)), read_meta_bytes(arrow_meta))
     resume_decision(cfg.resume, fp, ckpt_dir, schedule_params(cfg))

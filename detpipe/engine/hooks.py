@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch.optim.lr_scheduler import LambdaLR
 
 from detpipe.engine.checkpoints import checkpoint_path, list_checkpoints, save_atomic
+from detpipe.model_file import save_model_file
 from detpipe.engine.train_loop import HookBase
 from detpipe.progress import Progress
 
@@ -175,8 +176,7 @@ class EvalHook(HookBase):
             self.stale = 0 if improved else self.stale + 1
             if stats["AP"] > self.best_ap:
                 self.best_ap, self.best_iter = float(stats["AP"]), done
-                save_atomic({"model": model.state_dict(), "config": self.config, "iters": done,
-                             "AP": self.best_ap}, self.best_path)
+                save_model_file(self.best_path, model.state_dict(), self.config, done, AP=self.best_ap)
                 log.info("iteration %d: AP %.4f, best so far -> %s", done, self.best_ap, self.best_path)
             pruned = self.report(stats, done) if self.report is not None else None
             if pruned:
@@ -322,7 +322,8 @@ class TrainBatchPlotHook(HookBase):
     def after_load(self, batch: list) -> None:
         if self.trainer.rank != 0 or self.trainer.iter != 0 or self.png is not None:
             return
-        from detpipe.engine.batch_plot import draw_batch, encode_png
+        from detpipe.engine.batch_plot import draw_batch
+        from detpipe.evaluation.drawing import encode_png
 
         self.png = encode_png(draw_batch(batch, self.label_names, self.max_images, self.max_side))
         self._write("the first training batch as the model is fed")

@@ -18,6 +18,7 @@ import random
 import shutil
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -30,7 +31,7 @@ from detpipe.engine.checkpoints import (FORMAT, find_resume_state, fingerprint, 
                                        schedule_params, set_rng_state)
 from detpipe.data.dataset import CachedDetectionDataset, ResumableDistributedSampler, micro_batches, uses_masks
 from detpipe.data.train_transforms import TrainTransforms, resize_batch, resolve as resolve_augment, step_size
-from detpipe.data.meta import read_meta
+from detpipe.data.meta import read_meta, read_meta_bytes
 from detpipe.engine.distributed import setup_distributed
 from detpipe.engine.elastic import EpochPlan, record_samples
 from detpipe.engine.train_loop import HookBase, TrainerBase
@@ -38,6 +39,10 @@ from detpipe.errors import Interrupted, StageError, received_signal
 from detpipe.engine.hooks import (CheckpointHook, EMAHook, EvalHook, LRScheduleHook, MetricsHook, ProgressHook,
                                   TrainBatchPlotHook)
 from detpipe.models import build_detector, load_weights
+from detpipe.model_file import load_model_file, save_model_file
+
+EvalFnFactory = Callable[[str, Path], Callable[[torch.nn.Module], dict]]
+"""``(cache_root, arrow_meta) -> eval_fn``; ``eval_fn(model) -> {"AP": ..., ...}`` (`build_trainer`)."""
 from detpipe.study import TrialReporter
 from detpipe.warm_start import is_warm_start, materialise_weights, warm_start_path
 from detpipe.paths import ARROW_META, CACHE_DIR, CKPT_DIR, LIVE_DIR, MODEL as MODEL_OUT, TRAIN_BATCH_PLOT
@@ -224,12 +229,16 @@ def weights_digest(model: torch.nn.Module) -> str:
 
 def build_trainer(cfg: params_mod.Train, cache_dir: Path = CACHE_DIR, arrow_meta: Path = ARROW_META,
                   ckpt_dir: Path = CKPT_DIR, live_dir: str = LIVE_DIR, extra_hooks: tuple[HookBase, ...] = (),
-                  batch_plot: Path | None = None) -> Trainer:
+                  batch_plot: Path | None = None, eval_fn_factory: EvalFnFactory | None = None) -> Trainer:
     """Set up this process (distributed group, threads, seeds) and build the `Trainer` with its hooks (LR
     schedule, EMA, evaluation, metrics, checkpoints, progress, the first batch drawn to ``batch_plot`` unless it
     is None (`TrainBatchPlotHook`), then ``extra_hooks``).
+
+    ``eval_fn_factory(cache_root, arrow_meta) -> eval_fn`` builds the `EvalHook`'s ``eval_fn(model) -> stats``
+    (``{"AP": ...}``) when ``train.eval_every`` is set (the train stage passes
+    `detpipe.evaluation.periodic.make_eval_fn`: the engine imports no evaluation code).
     Raises:
-        StageError: missing inputs, unknown model, unusable weights.
+        StageError: missing inputs, unknown model, unusable weights; ``train.eval_every`` without ``eval_fn_factory``.
     """
     rank, world, local_rank, device = setup_distributed()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
@@ -267,7 +276,10 @@ def build_trainer(cfg: params_mod.Train, cache_dir: Path = CACHE_DIR, arrow_meta
     hooks = [LRScheduleHook(optimizer, lr, cfg.warmup_iters, cfg.schedule, cfg.milestones, cfg.gamma)]
     hooks += [ema] if ema else []
     if cfg.eval_every:
-        hooks.append(EvalHook(cfg.eval_every, make_eval_fn(cache_root, Path(arrow_meta)),
+        if eval_fn_factory is None:
+            raise StageError("train.eval_every is set but the trainer was given no evaluation function "
+                             "(build_trainer's eval_fn_factory)")
+        hooks.append(EvalHook(cfg.eval_every, eval_fn_factory(cache_root, Path(arrow_meta)),
                               Path(ckpt_dir) / "best.pt", config, ema, cfg.patience, cfg.min_delta,
                               TrialReporter.from_workspace() if rank == 0 else None))
     hooks += [MetricsHook(live_dir), CheckpointHook(ckpt_dir, cfg.checkpoint_every, cfg.keep_last),
@@ -275,7 +287,7 @@ def build_trainer(cfg: params_mod.Train, cache_dir: Path = CACHE_DIR, arrow_meta
     if batch_plot is not None:
         hooks.append(TrainBatchPlotHook(batch_plot, read_meta(arrow_meta)["label_names"]))
     hooks += extra_hooks
-    fp = fingerprint(cfg, cache_meta_bytes, Path(arrow_meta).read_bytes())
+    fp = fingerprint(cfg, cache_meta_bytes, read_meta_bytes(arrow_meta))
     return Trainer(model, optimizer, dataset, cfg, device, rank, world, config=config, fingerprint=fp, hooks=hooks)
 
 
@@ -316,10 +328,11 @@ def make_optimizer(model: torch.nn.Module, cfg: params_mod.Train, lr: float) -> 
 
 def train(cfg: params_mod.Train, cache_dir: Path = CACHE_DIR, arrow_meta: Path = ARROW_META,
           ckpt_dir: Path = CKPT_DIR, model_out: Path = MODEL_OUT, live_dir: str = LIVE_DIR,
-          batch_plot: Path | None = TRAIN_BATCH_PLOT) -> Trainer:
+          batch_plot: Path | None = TRAIN_BATCH_PLOT, eval_fn_factory: EvalFnFactory | None = None) -> Trainer:
     """Train per ``cfg`` (one process of a torchrun job, or a single process), resuming from a matching
     checkpoint per ``train.resume``, and write ``model_out`` (rank 0) and the first batch drawn, ``batch_plot``
-    (`TrainBatchPlotHook`; None: not drawn).
+    (`TrainBatchPlotHook`; None: not drawn). ``eval_fn_factory``: as `build_trainer`'s (needed with
+    ``train.eval_every``).
 
     Raises:
         StageError: missing inputs, unknown model, unusable weights, too many non-finite steps, ranks whose
@@ -327,7 +340,8 @@ def train(cfg: params_mod.Train, cache_dir: Path = CACHE_DIR, arrow_meta: Path =
         Interrupted: SIGTERM/SIGINT during training, its ``detail`` naming the iteration and the newest
         checkpoint (which is complete: checkpoints are written atomically).
     """
-    trainer = build_trainer(cfg, cache_dir, arrow_meta, ckpt_dir, live_dir, batch_plot=batch_plot)
+    trainer = build_trainer(cfg, cache_dir, arrow_meta, ckpt_dir, live_dir, batch_plot=batch_plot,
+                            eval_fn_factory=eval_fn_factory)
     rank, model, ema, max_iter = trainer.rank, trainer.module, trainer.ema, trainer.max_iter
     schedule = schedule_params(cfg)
     state = find_resume_state(cfg.resume, trainer.fingerprint, ckpt_dir, schedule) if rank == 0 else None
@@ -367,11 +381,11 @@ def train(cfg: params_mod.Train, cache_dir: Path = CACHE_DIR, arrow_meta: Path =
     if rank == 0:
         weights, source = (ema.weights() if ema else model.state_dict()), "the last" + (" EMA" if ema else "")
         if cfg.final == "best":
-            best = torch.load(Path(ckpt_dir) / "best.pt", map_location="cpu", weights_only=True)
+            best = load_model_file(Path(ckpt_dir) / "best.pt")
             weights = best["model"]
             source = f"the best (iteration {best['iters']}, val AP {best['AP']:.4f}{', EMA' if ema else ''})"
-        save_atomic({"model": weights, "config": trainer.config, "iters": trainer.iter, "ema": bool(ema),
-                     "fingerprint": trainer.fingerprint, "params": cfg.model_dump()}, Path(model_out))
+        save_model_file(Path(model_out), weights, trainer.config, trainer.iter, ema=bool(ema),
+                        fingerprint=trainer.fingerprint, params=cfg.model_dump())
         stopped = f"; stopped early at iteration {trainer.iter}: {trainer.stop_reason}" if trainer.stop_reason else ""
         log.info("wrote %s after %d iterations: %s weights%s", model_out, trainer.iter, source, stopped)
     if trainer.distributed:
@@ -392,25 +406,6 @@ def check_ranks_agree(model: torch.nn.Module, distributed: bool, rank: int, worl
     bad = [r for r, d in enumerate(digests) if d != digests[0]]
     if bad:
         raise StageError(f"training: final weights of ranks {bad} differ from rank 0's ({digests})")
-
-
-def make_eval_fn(cache_dir: str | Path, arrow_meta: Path):
-    """``eval_fn(model) -> stats`` for `EvalHook`: COCO bbox stats on the val cache (as
-    `detpipe.evaluation.evaluate`)."""
-    from detpipe.evaluation.coco_metrics import coco_evaluate
-    from detpipe.evaluation.detections import detect_dataset, label_to_category_id
-    from detpipe.evaluation.ground_truth import gt_from_arrow
-
-    meta = read_meta(arrow_meta)
-    gt = gt_from_arrow(Path(arrow_meta).parent / "val", meta)
-    dataset = CachedDetectionDataset(cache_dir, "val")
-    l2c = label_to_category_id(meta)
-
-    def eval_fn(model):  # bbox stats only: a mask model's masks are not encoded here
-        return coco_evaluate(gt, detect_dataset(model, dataset, l2c, device=next(model.parameters()).device,
-                                                masks=False)).stats
-
-    return eval_fn
 
 
 def all_reduce_flag(flag: bool, distributed: bool, device: torch.device) -> bool:

@@ -1,5 +1,5 @@
 """A detector's outputs as COCO results in original-image pixels: the one mapping used by the evaluate stage
-(`detpipe.evaluation.evaluate`), training's eval hook (`detpipe.engine.trainer.make_eval_fn`) and
+(`detpipe.evaluation.evaluate`), training's eval hook (`detpipe.evaluation.periodic.make_eval_fn`) and
 ``python -m detpipe.predict``.
 
 The model sees an image resized (and, in the cache, possibly cropped) by the augment stage's rule; a pixel
@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from pycocotools import mask as mask_utils
 from torch.utils.data import DataLoader
 
+from detpipe.boxes import convert
 from detpipe.data.dataset import CachedDetectionDataset, collate
 from detpipe.errors import StageError
 from detpipe.progress import track
@@ -144,7 +145,7 @@ def image_detections(det: dict, image_id: int, label_to_category: dict[int, int]
             naming ``file_name`` (or the image id) and the labels known.
     """
     boxes = boxes_to_original(det["boxes"], scale, orig_size, offset, dtype)
-    wh = boxes[:, 2:] - boxes[:, :2]
+    xywh = convert(boxes, "xyxy", "xywh")  # COCO bbox
     scores = det["scores"].detach().reshape(-1).to("cpu", dtype)
     labels = det["labels"].detach().reshape(-1).cpu()
     order = torch.argsort(scores, descending=True, stable=True)
@@ -163,7 +164,7 @@ def image_detections(det: dict, image_id: int, label_to_category: dict[int, int]
         result["category_id"] = label_to_category[label]
         if label_names is not None:
             result["category_name"] = label_names[label]
-        result["bbox"] = [*boxes[k, :2].tolist(), *wh[k].tolist()]
+        result["bbox"] = xywh[k].tolist()
         result["score"] = float(scores[k])
         if rles is not None:
             result["segmentation"] = rles[n]

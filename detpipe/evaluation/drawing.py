@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from detpipe.boxes import Fmt, convert
+
 
 def line_width(orig_size) -> int:
     """Box line width in pixels that stays visible on a large image: ``max(2, round(max(H, W) / 320))`` for
@@ -17,12 +19,13 @@ def line_width(orig_size) -> int:
 
 
 def draw_boxes(image: torch.Tensor, bboxes: list, color: str, width: int = 2,
-               labels: list[str] | None = None) -> torch.Tensor:
+               labels: list[str] | None = None, fmt: Fmt = "xywh") -> torch.Tensor:
     """``image`` with ``bboxes`` drawn as rectangles of ``color`` (a colour name, e.g. ``"red"``).
 
     Args:
         image: ``uint8 (3, H, W)`` RGB.
-        bboxes: COCO ``[x, y, w, h]`` boxes (floats, pixels of ``image``); none: ``image`` is returned as it is.
+        bboxes: COCO ``[x, y, w, h]`` boxes (floats, pixels of ``image``), or boxes of format ``fmt``
+            (`detpipe.boxes`: ``xyxy`` for a model's output); none: ``image`` is returned as it is.
         color: the boxes' (and labels') colour.
         width: line width in pixels.
         labels: one text per box, written at its top-left corner (None: no text).
@@ -35,7 +38,7 @@ def draw_boxes(image: torch.Tensor, bboxes: list, color: str, width: int = 2,
         return image
     from torchvision.utils import draw_bounding_boxes
 
-    xyxy = torch.tensor([[x, y, x + w, y + h] for x, y, w, h in bboxes], dtype=torch.float32)
+    xyxy = convert(torch.as_tensor(bboxes, dtype=torch.float64).reshape(-1, 4), fmt, "xyxy").float()
     return draw_bounding_boxes(image, xyxy, labels=labels, colors=color, width=width)
 
 
@@ -89,3 +92,11 @@ def add_legend(image: torch.Tensor, entries: list[tuple[str, str]], row_height: 
     colors = [c for *_, c in rows]
     strip = draw_bounding_boxes(strip, boxes, labels=[t for _, _, _, t, _ in rows], colors=colors, width=1)
     return torch.cat([image, strip], dim=1)
+
+
+def encode_png(image: torch.Tensor) -> bytes:
+    """PNG bytes of a ``uint8 (3, H, W)`` image (``torchvision.io.encode_png``, libpng, default compression): the one
+    PNG encoder of the plots (the train batch, val images, worst images)."""
+    from torchvision.io import encode_png as _encode
+
+    return _encode(image).numpy().tobytes()

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from pathlib import Path
 
 import torch.distributed as dist
@@ -52,7 +51,7 @@ from detpipe.evaluation.detections import detect_dataset, label_to_category_id
 from detpipe.evaluation.error_analysis import analyze_validated, error_metrics
 from detpipe.evaluation.ground_truth import gt_from_arrow
 from detpipe.evaluation.plots import write_plots
-from detpipe.launch.torchrun import launch_local
+from detpipe.launch.stage import LaunchParams, run_stage
 from detpipe.models import load_model
 from detpipe.paths import ARROW_DIR, CACHE_DIR, METRICS, MODEL, PLOTS
 
@@ -118,8 +117,9 @@ def evaluate(cfg: params_mod.Evaluate, arrow_dir: Path = ARROW_DIR, cache_dir: P
 
 
 def evaluate_or_launch(cfg: params_mod.Evaluate, module: str) -> dict | None:
-    """The evaluate stage: `evaluate` here, or with ``cfg.nproc_per_node > 1`` (outside a torchrun worker) launch
-    ``python -m <module>`` under torchrun on this node, one worker per process, each running `evaluate`.
+    """The evaluate stage (`detpipe.launch.stage.run_stage`): `evaluate` here, or with ``cfg.nproc_per_node > 1``
+    (outside a torchrun worker) launch ``python -m <module>`` under torchrun on this node, one worker per process
+    (`detpipe.launch.stage.LaunchParams.of_evaluate`: no restarts), each running `evaluate`.
 
     Args:
         cfg: params section ``evaluate``.
@@ -129,8 +129,4 @@ def evaluate_or_launch(cfg: params_mod.Evaluate, module: str) -> dict | None:
     Raises:
         StageError: as `evaluate`; a failed worker.
     """
-    if cfg.nproc_per_node > 1 and "LOCAL_RANK" not in os.environ:
-        # one node, no restarts: the launcher settings of a default train section (127.0.0.1 rendezvous)
-        launch_local(params_mod.Train(max_restarts=0), module, cfg.nproc_per_node)
-        return None
-    return evaluate(cfg)
+    return run_stage(module, LaunchParams.of_evaluate(cfg), lambda: evaluate(cfg), in_process=cfg.nproc_per_node == 1)

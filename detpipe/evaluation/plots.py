@@ -12,7 +12,7 @@ import torch
 from detpipe.data.imageio import decode_rgb
 from detpipe.data.meta import arrow_shards
 from detpipe.evaluation.coco_metrics import pr_curve_rows
-from detpipe.evaluation.drawing import add_legend, draw_boxes, draw_masks, line_width
+from detpipe.evaluation.drawing import add_legend, draw_boxes, draw_masks, encode_png, line_width
 from detpipe.evaluation.error_analysis import (SPECIAL_ERRORS, TIDE_ERRORS, ErrorAnalysis, confusion_rows, confusion_table,
                                        worst_images)
 from detpipe.errors import StageError
@@ -40,8 +40,6 @@ def write_plots(plots_dir: Path, result, dets: list[dict], gt: dict, val_dir: Pa
     Raises:
         StageError: an image of the shards cannot be decoded (`detpipe.data.imageio.decode_rgb`).
     """
-    from torchvision.io import encode_png
-
     rows = [{**r, "iou": iou} for iou in (0.5, 0.75) for r in pr_curve_rows(result, iou=iou)]
     atomic_write_json(plots_dir / "pr_curve.json", {"pr_curve": rows})
     per_class = [{"class": name, "AP": ap} for name, ap in result.per_class_ap.items() if ap >= 0]
@@ -63,7 +61,7 @@ def write_plots(plots_dir: Path, result, dets: list[dict], gt: dict, val_dir: Pa
             image = draw_masks(image, by_image_masks.get(row["image_id"], []), "red")
             image = draw_boxes(image, by_image_gt.get(row["image_id"], []), "green")
             image = draw_boxes(image, by_image_dt.get(row["image_id"], []), "red")
-            atomic_write_bytes(tmp / f"{row['image_id']}.png", encode_png(image).numpy().tobytes())
+            atomic_write_bytes(tmp / f"{row['image_id']}.png", encode_png(image))
     if errors is not None:
         write_error_plots(plots_dir, errors, val_dir, num_worst_images)
 
@@ -93,8 +91,6 @@ def write_error_plots(plots_dir: Path, analysis: ErrorAnalysis, val_dir: Path, n
         StageError: an image cannot be decoded (`detpipe.data.imageio.decode_rgb`), or a worst image is not in the
             shards of ``val_dir``.
     """
-    from torchvision.io import encode_png
-
     atomic_write_json(plots_dir / "confusion.json", {"confusion": confusion_rows(analysis)})
     atomic_write_json(plots_dir / "confusion_counts.json", confusion_table(analysis))
     atomic_write_json(plots_dir / "errors.json", {"errors": [{"error": k, "dAP50": round(analysis.delta_ap50[k], 6)}
@@ -126,7 +122,7 @@ def write_error_plots(plots_dir: Path, analysis: ErrorAnalysis, val_dir: Path, n
             for boxes, labels, color in layers:
                 image = draw_boxes(image, boxes, color, width, labels)
             image = add_legend(image, list(WORST_IMAGE_COLORS.items()))
-            atomic_write_bytes(tmp / f"{rank:0{digits}d}_{im.image_id}.png", encode_png(image).numpy().tobytes())
+            atomic_write_bytes(tmp / f"{rank:0{digits}d}_{im.image_id}.png", encode_png(image))
 
 
 def _val_image_rows_by_id(split_dir: Path, image_ids: list[int]) -> dict[int, dict]:

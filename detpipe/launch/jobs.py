@@ -1,8 +1,10 @@
 """The train stage's launch: inputs checked before any worker starts, torchrun here (`detpipe.launch.torchrun`) or as
-a Slurm job (`detpipe.launch.slurm`), or the job description for a scheduler (Slurm script, Kubernetes manifest).
+a Slurm job (`detpipe.launch.slurm`). The job descriptions for a scheduler (``python -m detpipe.launch.emit
+slurm|k8s``) are `detpipe.launch.emit`'s: not imported here, so editing the Kubernetes manifest code does not touch the
+train stage's code deps.
 
 Every launch runs `TRAIN_MODULE` (``python -m stages.train``) in each worker. Only light modules are imported at the
-top (standard library and `detpipe.launch.torchrun`): the heavy ones are imported where used.
+top (standard library, pydantic, `detpipe.launch.torchrun` and `detpipe.launch.stage`): the heavy ones are imported where used.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from detpipe.errors import StageError
+from detpipe.launch.stage import LaunchParams
 from detpipe.launch.torchrun import default_run_id, launch_env, launch_local, torchrun_args
 
 if TYPE_CHECKING:
@@ -53,12 +56,13 @@ def launch_args(cfg: Train, endpoint: str | None = None, run_id: str | None = No
     """torchrun arguments of the train stage (see `detpipe.launch.torchrun.torchrun_args`): c10d rendezvous at
     ``endpoint`` (``host:port``; default ``train.rdzv_endpoint``) under job id ``run_id`` (default
     `detpipe.launch.torchrun.default_run_id`), running `TRAIN_MODULE`."""
-    return torchrun_args(cfg, TRAIN_MODULE, endpoint or cfg.rdzv_endpoint, run_id or default_run_id(cfg))
+    launch = LaunchParams.of_train(cfg)
+    return torchrun_args(launch, TRAIN_MODULE, endpoint or cfg.rdzv_endpoint, run_id or default_run_id(launch))
 
 
 def launch(cfg: Train) -> None:
     """``train.launcher: local`` (or inside a Slurm job): run torchrun here (`detpipe.launch.torchrun.launch_local`).
-    ``slurm`` (outside a Slurm job): submit `emit`'s sbatch script, stream its log to stdout, wait; cancel the job
+    ``slurm`` (outside a Slurm job): submit `slurm_job`'s sbatch script, stream its log to stdout, wait; cancel the job
     on SIGTERM/SIGINT.
 
     Raises:
@@ -67,33 +71,19 @@ def launch(cfg: Train) -> None:
     from detpipe.launch import slurm
 
     if cfg.launcher == "slurm" and "SLURM_JOB_ID" not in os.environ:
-        slurm.run_job(emit(cfg, "slurm"), Path.cwd())
+        slurm.run_job(slurm_job(cfg), Path.cwd())
     else:
-        launch_local(cfg, TRAIN_MODULE)
+        launch_local(LaunchParams.of_train(cfg), TRAIN_MODULE)
 
 
-def emit(cfg: Train, kind: str) -> str:
-    """The job description for a scheduler: ``slurm`` (an sbatch script, `detpipe.launch.slurm.sbatch_script`) or
-    ``k8s`` (a Kubeflow PyTorchJob manifest, `detpipe.launch.k8s.pytorchjob_manifest`), for the current params."""
-    from detpipe.launch import k8s, slurm
+def slurm_job(cfg: Train) -> str:
+    """The train stage's sbatch script for the current params (`detpipe.launch.slurm.sbatch_script`): torchrun's
+    arguments with the rendezvous on the job's first node (``$RDZV_HOST``) under ``$SLURM_JOB_ID``."""
+    from detpipe.launch import slurm
 
-    if kind == "slurm":
-        port = cfg.rdzv_endpoint.rsplit(":", 1)[1]
-        return slurm.sbatch_script(cfg, launch_args(cfg, f"${{RDZV_HOST}}:{port}", "${SLURM_JOB_ID}"),
-                                   launch_env(cfg), Path.cwd())
-    job = k8s.job_name(cfg)
-    return k8s.pytorchjob_manifest(cfg, job, launch_args(cfg, k8s.rdzv_endpoint(job, cfg), job), launch_env(cfg))
-
-
-def write_job(cfg: Train, kind: str, out: Path | str | None = None) -> None:
-    """`emit` ``kind``'s job description to the file ``out`` (written atomically), or to stdout when None."""
-    text = emit(cfg, kind)
-    if out:
-        from detpipe.files import atomic_write_bytes
-
-        atomic_write_bytes(out, text.encode())
-    else:
-        print(text, end="")
+    port = cfg.rdzv_endpoint.rsplit(":", 1)[1]
+    return slurm.sbatch_script(cfg, launch_args(cfg, f"${{RDZV_HOST}}:{port}", "${SLURM_JOB_ID}"),
+                               launch_env(cfg), Path.cwd())
 
 
 def check_and_launch(cfg: Train) -> None:

@@ -140,7 +140,7 @@ def pytorchjob_manifest(cfg, job: str, torchrun_argv: list[str], env: dict[str, 
         StageError: as `check_k8s` (no ``train.k8s_pvc`` for more than one pod; fewer GPUs than workers).
     """
     manifest = pytorchjob(cfg, job, torchrun_argv, env)
-    head = "# Written by `python -m stages.train --emit k8s` (docs/multi-node.md).\n"
+    head = "# Written by `python -m detpipe.launch.emit k8s` (docs/multi-node.md).\n"
     if cfg.k8s_pvc:
         head += (f"# checkpoints/, models/ and dvclive/ are on PersistentVolumeClaim {cfg.k8s_pvc} (subPaths of the "
                  "same names).\n")

@@ -68,7 +68,7 @@ def sbatch_script(cfg, torchrun_argv: list[str], env: dict[str, str], workdir: P
     exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items()))
     torchrun = " ".join([shlex.quote(sys.executable), "-m", AGENT_MODULE] + [_shell_word(a) for a in torchrun_argv])
     lines = ["#!/bin/bash", *(f"#SBATCH {o}" for o in opts),
-             "# Written by `python -m stages.train --emit slurm` for the current params.yaml (docs/multi-node.md).",
+             "# Written by `python -m detpipe.launch.emit slurm` for the current params.yaml (docs/multi-node.md).",
              "set -euo pipefail",
              f"export {exports}",
              'FIRST_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',

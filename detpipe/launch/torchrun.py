@@ -42,6 +42,7 @@ from typing import Iterator
 import psutil
 
 from detpipe.errors import StageError
+from detpipe.net import bind_listener  # noqa: F401  (the agent's store sockets; public here for the tests)
 from detpipe.lifeline import LAUNCHER_PID_ENV, PR_SET_NAME, die_with_launcher, prctl
 from detpipe.worker_env import COLLECTIVE_TIMEOUT_ENV
 
@@ -96,12 +97,14 @@ def is_endpoint_host(host: str) -> bool:
 
 def default_run_id(cfg) -> str:
     """The rendezvous job id: ``train.rdzv_id``, else ``$SLURM_JOB_ID``, else ``detpipe-`` + 12 hex of the sha256
-    of the params (the same on every node that runs the same params, so a restarted node rejoins its job)."""
+    of the params (`detpipe.launch.stage.LaunchParams.params_digest` when ``cfg`` has one; the same on every node that runs the same params, so a restarted node rejoins its job)."""
     if cfg.rdzv_id:
         return cfg.rdzv_id
     if os.environ.get("SLURM_JOB_ID"):
         return os.environ["SLURM_JOB_ID"]
-    return "detpipe-" + hashlib.sha256(json.dumps(cfg.model_dump(), sort_keys=True).encode()).hexdigest()[:12]
+    digest = getattr(cfg, "params_digest", "") or \
+        hashlib.sha256(json.dumps(cfg.model_dump(), sort_keys=True).encode()).hexdigest()
+    return "detpipe-" + digest[:12]
 
 
 def torchrun_args(cfg, module: str, endpoint: str, run_id: str, nproc_per_node: int | None = None) -> list[str]:
@@ -141,23 +144,6 @@ def launch_env(cfg) -> dict[str, str]:
     if getattr(cfg, "socket_ifname", None):
         env.update({"GLOO_SOCKET_IFNAME": cfg.socket_ifname, "NCCL_SOCKET_IFNAME": cfg.socket_ifname})
     return env
-
-
-def bind_listener(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
-    """A listening TCP socket on ``host:port`` (an IP address or ``localhost``; port 0: a free one). Raises
-    `OSError` if the port is taken (another socket listens there). ``SO_REUSEADDR``, as torch's own store server
-    sets it: without it, a node that hosted the store and starts again within TCP's TIME_WAIT (60 s on Linux;
-    Slurm requeues the job onto the same first node) cannot bind the port, takes it for another agent's store,
-    joins it as a client and waits for nobody until the rendezvous times out."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(4096)
-    except OSError:
-        sock.close()
-        raise
-    return sock
 
 
 def listens_on_endpoint_only(host: str) -> bool:
@@ -409,7 +395,7 @@ def run_torchrun(argv: list[str], env: dict[str, str] | None = None,
 
 
 def launch_local(cfg, module: str, nproc_per_node: int | None = None) -> None:
-    """Launch ``python -m <module>`` workers on this node per ``cfg`` (`detpipe.params.Train`-like: nnodes,
+    """Launch ``python -m <module>`` workers on this node per ``cfg`` (`detpipe.launch.stage.LaunchParams`: nnodes,
     rdzv settings, max_restarts, threads). One node (``nnodes`` 1): a free port on 127.0.0.1, bound before
     torchrun starts. More nodes: ``cfg.rdzv_endpoint``; start the same command, with the same params, on every
     node (or use `detpipe.launch.slurm` / `detpipe.launch.k8s`). With a loopback endpoint the workers' gloo and NCCL sockets

@@ -25,6 +25,7 @@ from detpipe.models import hf_weights  # noqa: F401  (imported first: records th
 
 from detpipe.errors import StageError
 from detpipe.files import is_url, read_url_bytes
+from detpipe.model_file import load_model_file
 from detpipe.paths import ARROW_META, CACHE_DIR, MODEL
 
 if TYPE_CHECKING:
@@ -141,9 +142,7 @@ def build_from_config(config: dict) -> nn.Module:
 def load_model(path: Path | str = MODEL, device: torch.device | str = "cpu") -> tuple[torch.nn.Module, dict]:
     """Rebuild the trained model from ``models/model.pt`` (eval mode). Returns ``(model, checkpoint)``.
     Raises `StageError` if the file is missing."""
-    if not Path(path).is_file():
-        raise StageError(f"{path}: not found (run the train stage first)")
-    ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    ckpt = load_model_file(path)
     model = build_from_config(ckpt["config"])
     model.load_state_dict(ckpt["model"])
     return model.to(device).eval(), ckpt

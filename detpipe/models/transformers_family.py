@@ -20,6 +20,7 @@ import os
 import torch
 from torch import nn
 
+from detpipe.boxes import convert
 from detpipe.errors import StageError
 from detpipe.models.family import Family, register
 
@@ -153,9 +154,7 @@ class HFDetector(nn.Module):
                 b = t["boxes"].to(pixels.dtype)
                 scale = b.new_tensor([w, h, w, h])
                 xyxy = b / scale
-                cxcywh = torch.stack([(xyxy[:, 0] + xyxy[:, 2]) / 2, (xyxy[:, 1] + xyxy[:, 3]) / 2,
-                                      xyxy[:, 2] - xyxy[:, 0], xyxy[:, 3] - xyxy[:, 1]], dim=1)
-                labels.append({"class_labels": t["labels"].long() - 1, "boxes": cxcywh})
+                labels.append({"class_labels": t["labels"].long() - 1, "boxes": convert(xyxy, "xyxy", "cxcywh")})
             out = self.hf(pixel_values=pixels, labels=labels)
             losses = dict(out.loss_dict)
             losses["loss_all_params"] = sum(p.reshape(-1)[0] for p in self.parameters() if p.requires_grad) * 0.0
@@ -182,8 +181,7 @@ def postprocess(logits: torch.Tensor, boxes: torch.Tensor, sizes: list[tuple[int
     top = min(detections, q * k)
     score, index = scores.topk(top, dim=1)
     query, label = index // k, index % k
-    cx, cy, w, h = boxes.unbind(-1)
-    xyxy = torch.stack([cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2], dim=-1)
+    xyxy = convert(boxes, "cxcywh", "xyxy")
     out = []
     for i, (hh, ww) in enumerate(sizes):
         sel = xyxy[i].gather(0, query[i, :, None].expand(-1, 4)) * xyxy.new_tensor([ww, hh, ww, hh])

@@ -10,13 +10,21 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from detpipe.ops import workspace
 from detpipe.ops.processes import dvc, git, run_logged
 
-if TYPE_CHECKING:
-    from detpipe.ops.remotes import Remotes
+
+
+class RemoteURIs(Protocol):
+    """What `summarize` needs of a run's remotes (`detpipe.ops.remotes.Remotes` has it; not imported here:
+    remotes imports this module)."""
+    git_url: str
+    dvc_url: str
+
+    def uri(self, md5: str) -> str:
+        """The DVC remote's URI of the cached output with this md5."""
 
 FALLBACK_NAME = "prefect-run"    # the experiment name of a flow run whose name has no usable character
 
@@ -69,7 +77,7 @@ def save(ws: Path, name: str, logger) -> str:
 
 
 def summarize(ws: Path, stages: dict[str, str], experiment: str, ref: str, overrides: dict,
-              remotes: Remotes | None, logger) -> dict:
+              remotes: RemoteURIs | None, logger) -> dict:
     """The result of the run in workspace ``ws``: experiment, git ref, overrides, what each stage did
     (``stages``), COCO bbox metrics (``metrics/eval.json``), and each cached output's md5 and where it is: with
     ``remotes`` (a run that syncs) its URI in the DVC remote and the git remote's URL, else its file in the

@@ -114,15 +114,12 @@ def listen_socket(host: str, port: int) -> socket.socket:
     Raises:
         StageError: the address cannot be bound (in use, not local, no permission), naming it.
     """
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    from detpipe.net import bind_listener
+
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
+        return bind_listener(host, port, backlog=None)
     except OSError as e:
-        sock.close()
         raise StageError(f"{host}:{port}: cannot listen there ({e.strerror or e})") from None
-    return sock
 
 
 def serve(model_path: Path | str = DEFAULT_MODEL, data_dir: Path | str = DEFAULT_DATA, host: str = DEFAULT_HOST,

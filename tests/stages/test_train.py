@@ -170,7 +170,8 @@ def test_kill9_resume_with_mosaic_and_mixup_is_bit_identical(cached_workdir, tmp
     from detpipe import params as params_mod
     from detpipe.data.dataset import CachedDetectionDataset, ResumableDistributedSampler, micro_batches
     from detpipe.data.train_transforms import TrainTransforms, resolve
-    from detpipe.engine.batch_plot import draw_batch, encode_png
+    from detpipe.engine.batch_plot import draw_batch
+    from detpipe.evaluation.drawing import encode_png
 
     overrides = {"train": {"epochs": 3, "checkpoint_every": 1, "keep_last": 10, "augment": "yolo", "mixup": 0.5,
                            "close_mosaic": 1}}

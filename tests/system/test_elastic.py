@@ -189,12 +189,13 @@ def test_emitted_job_runs_the_local_launchers_command(tmp_path, monkeypatch, kin
 
     from detpipe.launch.torchrun import launch_env
     from detpipe.params import load
-    from detpipe.launch.jobs import emit, launch_args
+    from detpipe.launch.emit import emit
+    from detpipe.launch.jobs import launch_args
 
     write_params(tmp_path, {"train": {"nnodes": "2:4", "nproc_per_node": 8, "max_restarts": 5, "threads": 2,
                                       "rdzv_endpoint": "10.1.2.3:29500", "slurm_extra": ["--gres=gpu:8"],
                                       "k8s_pvc": "detpipe-shared"}})
-    monkeypatch.chdir(tmp_path)  # what `python -m stages.train --emit KIND` prints there (tests/system/test_cluster.py runs it)
+    monkeypatch.chdir(tmp_path)  # what `python -m detpipe.launch.emit KIND` prints there (tests/system/test_cluster.py runs it)
     cfg = load("train", tmp_path / "params.yaml")
     text = emit(cfg, kind)
     local, env = launch_args(cfg), launch_env(cfg)

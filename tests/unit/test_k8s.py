@@ -1,4 +1,4 @@
-"""``python -m stages.train --emit k8s``: the Kubeflow PyTorchJob's shared volume, GPU requests and refusals, the
+"""``python -m detpipe.launch.emit k8s``: the Kubeflow PyTorchJob's shared volume, GPU requests and refusals, the
 manifest checked against the operator's CRD schema (tests/data/kubeflow, an excerpt of the upstream CRD), and the
 Dockerfile / .dockerignore that build ``train.k8s_image``.
 
@@ -21,7 +21,7 @@ import yaml
 
 from detpipe.errors import StageError
 from detpipe.launch import k8s
-from detpipe.launch.jobs import emit
+from detpipe.launch.emit import emit
 from detpipe.params import Train
 from support.pipeline import write_params
 from support.procs import run
@@ -216,14 +216,14 @@ def test_one_pod_without_a_claim_is_emitted_with_a_warning(caplog):
 
 
 def test_the_cli_refuses_and_emits(tmp_path):
-    """``python -m stages.train --emit k8s`` in a work dir: exit status 2 and one line naming train.k8s_pvc for
+    """``python -m detpipe.launch.emit k8s`` in a work dir: exit status 2 and one line naming train.k8s_pvc for
     two pods without a claim; with one, the manifest with the claim (written to --out)."""
     write_params(tmp_path, {"train": {"nnodes": 2}})
-    refused = run([sys.executable, "-m", "stages.train", "--emit", "k8s"], tmp_path, check=False, timeout=60)
+    refused = run([sys.executable, "-m", "detpipe.launch.emit", "k8s"], tmp_path, check=False, timeout=60)
     assert refused.returncode == 2 and refused.stdout == ""
     assert re.search(r"^error: .*train\.k8s_pvc", refused.stderr, re.M), refused.stderr
     write_params(tmp_path, {"train": {"nnodes": 2, "k8s_pvc": PVC, "k8s_gpus": 1}})
-    run([sys.executable, "-m", "stages.train", "--emit", "k8s", "--out", "train.yaml"], tmp_path, timeout=60)
+    run([sys.executable, "-m", "detpipe.launch.emit", "k8s", "--out", "train.yaml"], tmp_path, timeout=60)
     job = yaml.safe_load((tmp_path / "train.yaml").read_text())
     pod, container = _worker(job)
     assert pod["volumes"][0]["persistentVolumeClaim"]["claimName"] == PVC

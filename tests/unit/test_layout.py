@@ -53,6 +53,45 @@ def test_train_and_evaluate_do_not_depend_on_the_coco_reader():
     assert set(reader) <= set(code_closure(ROOT / "stages" / "convert.py"))
 
 
+def test_job_descriptions_are_not_train_deps():
+    """``python -m detpipe.launch.emit slurm|k8s`` is outside the train stage's import graph: dvc.yaml's train deps
+    list neither `detpipe/launch/emit.py` nor `detpipe/launch/k8s.py`, so editing the Kubernetes manifest code leaves
+    trained models valid. (`detpipe/launch/slurm.py` stays a dep: ``train.launcher: slurm`` submits its script.)"""
+    train = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]["train"]["deps"]
+    deps = {d if isinstance(d, str) else next(iter(d)) for d in train}
+    assert not deps & {"detpipe/launch/emit.py", "detpipe/launch/k8s.py"}, sorted(deps)
+    assert {"detpipe/launch/k8s.py", "detpipe/launch/jobs.py"} <= code_closure(ROOT / "detpipe/launch/emit.py")
+
+
+def test_one_launch_path_for_train_and_evaluate():
+    """Both stages that start workers do it through `detpipe.launch.stage.run_stage`; evaluate builds no train params
+    to be launched (its own `LaunchParams.of_evaluate`)."""
+    for f in ("stages/train.py", "detpipe/evaluation/evaluate.py"):
+        assert "detpipe.launch.stage" in _imports(ROOT / f), f
+    assert "Train(" not in (ROOT / "detpipe/evaluation/evaluate.py").read_text()
+
+
+def test_the_trainer_imports_no_evaluation_code():
+    """The engine's trainer gets its periodic evaluation as a callable (`build_trainer`'s ``eval_fn_factory``, which
+    the train stage fills with `detpipe.evaluation.periodic.make_eval_fn`): neither it nor the hooks import
+    `detpipe.evaluation`, directly or through another module."""
+    for f in ("detpipe/engine/trainer.py", "detpipe/engine/hooks.py", "detpipe/engine/train_loop.py"):
+        crossed = sorted(m for m in code_closure(ROOT / f) if m.startswith("detpipe/evaluation/")
+                         and m != "detpipe/evaluation/drawing.py" and m != "detpipe/evaluation/__init__.py")
+        assert not crossed, f"{f} imports {crossed}"
+    assert "detpipe/evaluation/periodic.py" in code_closure(ROOT / "stages/train.py")
+
+
+def test_one_helper_per_concern():
+    """Each of these is done in one module only: PNG encoding (`detpipe.evaluation.drawing.encode_png`), server
+    sockets (`detpipe.net.bind_listener`), saving a torch file (`detpipe.model_file`), box conversions (torchvision's ``box_convert`` through `detpipe.boxes`)."""
+    rules = {"torchvision.io import encode_png": {"drawing.py"}, "setsockopt(": {"net.py"}, "torch.save(": {"model_file.py"},
+             "import box_convert": {"boxes.py"}}
+    for needle, allowed in rules.items():
+        found = {f.name for f in (ROOT / "detpipe").rglob("*.py") if needle in f.read_text()}
+        assert found <= allowed, f"{needle!r} in {sorted(found - allowed)}"
+
+
 def test_dvc_yaml_code_deps_follow_the_imports():
     pipeline = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
     for name in STAGES:

@@ -254,3 +254,24 @@ def test_progress_lines_without_a_tty(caplog):
     assert re.fullmatch(r"train: iteration 3/4, epoch 2/2, loss 0\.5, lr 0\.005, [\d.]+ images/s, ETA 0:00:0\d",
                         lines[0]), lines[0]
     assert lines[1].startswith("train: iteration 4/4, epoch 2/2, loss 0.25, lr 0.001, ") and "ETA" not in lines[1]
+
+
+def test_train_keys_have_one_role_each_and_the_fingerprint_follows_it():
+    """Every train key has exactly one role (`detpipe.params.train_keys`); changing a launch, run or schedule key keeps
+    the checkpoint fingerprint, changing a result key changes it (`detpipe.engine.checkpoints.fingerprint`); the
+    launch params take the launch keys (`detpipe.launch.stage.LaunchParams.of_train`)."""
+    from detpipe.engine.checkpoints import fingerprint, schedule_params
+    from detpipe.launch.stage import LaunchParams
+    from detpipe.params import train_keys
+
+    roles = {r: train_keys(r) for r in ("result", "schedule", "run", "launch")}
+    assert sum(len(k) for k in roles.values()) == len(Train.model_fields)
+    assert set().union(*roles.values()) == set(Train.model_fields)
+    base = fingerprint(Train(), b"c", b"a")
+    for changed in ({"nnodes": "2"}, {"k8s_gpus": 1}, {"keep_last": 5}, {"epochs": 3}, {"lr": 0.01}):
+        assert fingerprint(Train(**changed), b"c", b"a") == base, changed
+    for changed in ({"seed": 1}, {"model": "fasterrcnn_mobilenet_v3_large_320_fpn"}, {"batch_size": 2}):
+        assert fingerprint(Train(**changed), b"c", b"a") != base, changed
+    assert set(schedule_params(Train())) == roles["schedule"]
+    launch = LaunchParams.of_train(Train(nnodes="1:2", max_restarts=7, threads=3, socket_ifname="eth1"))
+    assert (launch.nnodes, launch.max_restarts, launch.threads, launch.socket_ifname) == ("1:2", 7, 3, "eth1")
