@@ -23,6 +23,7 @@ from torchvision.ops import box_iou
 
 from detpipe.data.dataset import CachedDetectionDataset
 from detpipe.errors import StageError
+from detpipe.export.batched import session_runner
 from detpipe.export.exporter import compare_raw, match_detections, split_outputs
 from detpipe.export.formats import openvino_runner
 from detpipe.params import Export
@@ -127,8 +128,9 @@ def _openvino_body(work: Path) -> None:
     _, cfg = data_meta(work / "data")
     images = [prepare((COCO128 / "train2017" / n).read_bytes(), n, cfg).image for n in OTHER_IMAGES]
     images += [torch.nn.functional.interpolate(images[0][None], size=(300, 400))[0]]   # another size
-    onnx_out = [split_outputs(session.run(None, {"image": im.numpy()}), False) for im in images]
-    ov_out = [split_outputs(run_ov(im), False) for im in images]
+    # the batched graphs: all images (of several sizes) in one call of each file
+    onnx_out = [split_outputs(o, False) for o in session_runner(session).many(images)]
+    ov_out = [split_outputs(o, False) for o in run_ov.many(images)]
     raw = compare_raw([r for _, r in onnx_out], [r for _, r in ov_out], names, 1e-3)
     assert raw["ok"] and raw["compared"] == 2 * len(images), raw
     for (o, _), (v, _) in zip(onnx_out, ov_out):
