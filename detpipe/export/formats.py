@@ -97,7 +97,7 @@ def openvino_runner(xml_path: Path, names: list[str] | None = None) -> Callable:
     first = compiled.inputs[0]
     shape = first.get_partial_shape()
     size = graph_size([(first.get_any_name(), [d.get_length() if d.is_static else None for d in shape])])
-    if names and size is not None:   # a batched graph: each detection's image index after the labels
+    if names and size is not None and BATCH_INDEX not in names:   # batched: each detection's image index after the labels
         names = [*names[:3], BATCH_INDEX, *names[3:]]
     outputs = [by_name[n] for n in names] if names else list(compiled.outputs)
 
