@@ -36,7 +36,6 @@ import time
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 import torch
 
 from detpipe import params as params_mod
