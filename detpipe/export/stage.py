@@ -5,7 +5,9 @@ section ``export``).
 `export` writes ``models/torch_export/model.pt2`` (``torch.export.save``; not for R-CNN models,
 see `detpipe.export.exporter.torch_export_supported`; ``torch.export.load(...).module()``
 takes one ``float32 (3, H, W)`` RGB image in [0, 1], H and W dynamic), ``models/model.onnx`` (opset
-``export.opset``, ``torch.onnx.export(dynamo=False)``, input ``image`` of the same form), both with the outputs of
+``export.opset``, ``torch.onnx.export(dynamo=False)``, input ``image`` of the same form; for SSD/SSDlite and the
+transformers DETRs a batched graph instead, input ``images`` ``float32 (B, 3, S_h, S_w)`` with B dynamic and a
+``batch_index`` output, `detpipe.export.batched`; the report's ``batch`` says which, and why not), both with the outputs of
 `detpipe.export.exporter.DetectionExport`: ``boxes`` ``float32 (N, 4)`` XYXY input pixels, ``scores`` ``float32 (N,)``,
 ``labels`` ``int64 (N,)``, for mask models ``masks`` ``float32 (N, 1, H, W)`` (probabilities, > 0.5 in the mask),
 then the raw pre-NMS head outputs; ``models/torchscript/`` (empty, or with ``export.torchscript: true``
@@ -16,7 +18,8 @@ float32, same signature) and ``models/int8/model.int8.onnx`` (int8 QDQ: NNCF's a
 `detpipe.export.quantize`, or with ``export.int8_method: plain`` onnxruntime static quantization; calibrated on
 ``export.calibration_images`` images of ``data/cache/train``); their folders stay empty otherwise.
 
-Parity gate, on ``export.num_images`` val images: every raw head output (before top-k and NMS, so that ties among
+Parity gate, on ``export.num_images`` val images (a batched graph: all in one call, plus the first image's top
+three quarters when they all have one size, so that two original sizes are checked): every raw head output (before top-k and NMS, so that ties among
 the near-equal scores of a barely trained model cannot reorder anything) of each file, as loaded back, must equal
 the eager model's within ``export.rtol`` of its root-mean-square magnitude (`detpipe.export.exporter.compare_raw`). The final
 detections are matched too (``export.score_threshold``, ``export.iou_match``) and reported, not gated. A run that
