@@ -9,9 +9,9 @@ many images. The families whose network input has one fixed size anyway (torchvi
 resized to ``size`` x ``size``) get a graph over ``images`` ``float32 (B, 3, S_h, S_w)`` with B dynamic: the caller
 resizes each image to the fixed size with the model's own interpolation (`resize`: bilinear,
 ``align_corners=False``, no antialias, as both models do) and maps the boxes back per image (`split`), which is what
-the eager model does inside. The decode runs batched in the graph: SSD's per-class top-k, score threshold and
-per-class NMS as one ONNX ``NonMaxSuppression`` over (image, class) (`_BatchedNMS`; the op's own batch and class
-axes, the standard batched-NMS form), then each image's top ``detections_per_img``; the DETRs' top-k over query x
+the eager model does inside. The decode runs batched in the graph: SSD's per-class top-k and score threshold, then
+torchvision's batched NMS (each class's boxes shifted apart, the coordinate trick of ``batched_nms``) as one ONNX
+``NonMaxSuppression`` whose batch axis is the images (`_BatchedNMS`), capped at ``detections_per_img`` per image; the DETRs' top-k over query x
 class pairs (no NMS). Families with per-image input sizes or data-dependent proposal counts (RetinaNet, FCOS, R-CNN:
 keep-ratio resize, per-level top-k, RoI heads) keep the one-image graph (`BATCH_UNSUPPORTED`).
 
@@ -65,24 +65,29 @@ def resize(image: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
 
 
 class _BatchedNMS(torch.autograd.Function):
-    """Per (image, class) greedy NMS. ``boxes`` ``float32 (B, A, 4)`` XYXY, ``scores`` ``float32 (B, G, A)`` (a
-    score <= ``score_threshold`` is no candidate) -> ``int64 (M, 3)`` rows ``[image, class, box]`` of the kept boxes.
-    In ONNX one ``NonMaxSuppression`` (its batch and class axes are exactly these) with
-    ``max_output_boxes_per_class = cap``; eagerly torchvision's ``batched_nms`` with one group per (image, class),
-    uncapped (the cap only drops boxes that have ``cap`` higher-scored boxes of their image and class, so none that
-    an image's top ``cap`` keeps)."""
+    """Greedy NMS per image, capped: ``boxes`` ``float32 (B, M, 4)`` XYXY (each class already shifted apart:
+    torchvision's coordinate trick), ``scores`` ``float32 (B, M)`` (a score <= ``score_threshold`` is no
+    candidate) -> ``int64 (K, 3)`` rows ``[image, 0, candidate]`` of the kept boxes, by image, each image's in
+    descending score order and at most ``cap`` of them. In ONNX one ``NonMaxSuppression`` over the batch axis
+    (``max_output_boxes_per_class = cap``: greedy NMS keeps boxes in descending score order, so its first ``cap``
+    are those torchvision keeps before ``keep[:detections_per_img]``); eagerly ``torchvision.ops.nms`` per image."""
 
     @staticmethod
     def forward(ctx, boxes, scores, iou_threshold: float, score_threshold: float, cap: int):
-        b, g, a = scores.shape
-        bi, ci, ai = (scores > score_threshold).nonzero(as_tuple=True)
-        keep = torchvision.ops.batched_nms(boxes[bi, ai], scores[bi, ci, ai], bi * g + ci, iou_threshold)
-        return torch.stack([bi[keep], ci[keep], ai[keep]], dim=1)
+        rows = []
+        for b in range(boxes.shape[0]):
+            cand = (scores[b] > score_threshold).nonzero().flatten()
+            keep = cand[torchvision.ops.nms(boxes[b, cand], scores[b, cand], iou_threshold)[:cap]]
+            rows.append(torch.stack([torch.full_like(keep, b), torch.zeros_like(keep), keep], dim=1))
+        return torch.cat(rows) if rows else torch.zeros((0, 3), dtype=torch.long)
 
     @staticmethod
     def symbolic(g, boxes, scores, iou_threshold: float, score_threshold: float, cap: int):
+        from torch.onnx import symbolic_opset11 as opset11
+
         float_ = torch.onnx.TensorProtoDataType.FLOAT
-        return g.op("NonMaxSuppression", g.op("Cast", boxes, to_i=float_), g.op("Cast", scores, to_i=float_),
+        return g.op("NonMaxSuppression", g.op("Cast", boxes, to_i=float_),
+                    g.op("Cast", opset11.unsqueeze(g, scores, 1), to_i=float_),
                     g.op("Constant", value_t=torch.tensor([cap], dtype=torch.long)),
                     g.op("Constant", value_t=torch.tensor([iou_threshold], dtype=torch.float)),
                     g.op("Constant", value_t=torch.tensor([score_threshold], dtype=torch.float)))
@@ -102,8 +107,8 @@ class BatchedExport(torch.nn.Module):
 
     SSD: the model's normalisation, backbone and head on the batch; anchors of one image (all are equal at a fixed
     size); ``box_coder.decode_single``, clip, softmax; then torchvision's ``SSD.postprocess_detections`` batched:
-    per class the top ``topk_candidates`` anchors above ``score_thresh``, NMS per (image, class) at ``nms_thresh``
-    (`_BatchedNMS`), each image's top ``detections_per_img`` by score. DETR: the HF model on the batch and
+    per class the top ``topk_candidates`` anchors above ``score_thresh``, then per image one NMS at ``nms_thresh``
+    over the class-shifted boxes, its first ``detections_per_img`` (`_BatchedNMS`). DETR: the HF model on the batch and
     `detpipe.models.transformers_family.postprocess`'s top-``detections`` over query x class pairs, batched.
 
     Raises:
@@ -162,17 +167,14 @@ class BatchedExport(torch.nn.Module):
                              boxes[..., 3].clamp(0, h)], dim=-1)
         scores = torch.softmax(logits, dim=-1)[..., 1:].transpose(1, 2)                              # (B, G, A)
         k = min(int(m.topk_candidates), a)
-        top, idx = scores.topk(k, dim=2)
-        cand = torch.full_like(scores, -1.0).scatter(2, idx, top)     # only each class's top k stay candidates
-        sel = _BatchedNMS.apply(boxes, cand, float(m.nms_thresh), float(m.score_thresh), int(m.detections_per_img))
-        bi, ci, ai = sel[:, 0], sel[:, 1], sel[:, 2]
-        dense = torch.full((b, (c - 1) * a), -1.0, dtype=scores.dtype)
-        dense = dense.index_put((bi, ci * a + ai), cand[bi, ci, ai])
-        n = min(int(m.detections_per_img), (c - 1) * a)
-        best, where = dense.topk(n, dim=1)                                                           # (B, n)
-        img, j = (best > -0.5).nonzero(as_tuple=True)
-        flat = where[img, j]
-        return boxes[img, flat % a], best[img, j], flat // a + 1, img
+        top, idx = scores.topk(k, dim=2)                          # each class's top k anchors: (B, G, k)
+        cand_boxes = boxes.gather(1, idx.reshape(b, -1, 1).expand(-1, -1, 4))                     # (B, G*k, 4)
+        labels = torch.arange(1, c).repeat_interleave(k)                                          # (G*k,)
+        shift = (labels.to(boxes.dtype) * (max(h, w) + 1))[None, :, None]   # classes apart: boxes lie in [0, S]
+        sel = _BatchedNMS.apply(cand_boxes + shift, top.reshape(b, -1), float(m.nms_thresh),
+                                float(m.score_thresh), int(m.detections_per_img))
+        img, j = sel[:, 0], sel[:, 2]
+        return cand_boxes[img, j], top.reshape(b, -1)[img, j], labels[j], img
 
     def _detr(self, images: torch.Tensor):
         out = self.model.hf(pixel_values=images)
