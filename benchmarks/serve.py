@@ -21,7 +21,9 @@ copy of the ``fitted_workdir`` test fixture's folder (tests/conftest.py) and ``-
 Prints, for each server, served images/s, the latency percentiles (p50, p99, max; client-side, request sent to
 answer parsed) and the batch sizes the server formed; the offline images/s; the load average; and as the last
 line ``ratio: <served images/s at --max-batch <--batch-size> / served images/s at --max-batch 1>`` at
-``--clients`` clients. The clients share the machine's cores with the server (on this 2-core machine they take a
+``--clients`` clients. With an ONNX file of a batched graph (SSD/SSDlite, RT-DETRv2, D-FINE: `detpipe.export.batched`),
+its runner (and the int8 and OpenVINO ones) runs a micro-batch as one call; a one-image graph runs it image by
+image. The clients share the machine's cores with the server (on this 2-core machine they take a
 visible part of it).
 """
 from __future__ import annotations

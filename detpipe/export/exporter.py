@@ -318,7 +318,35 @@ def export_onnx(wrapper: DetectionExport, image: torch.Tensor, path: Path, opset
         torch.onnx.export(wrapper, (image,), str(path), opset_version=opset, dynamo=False,
                           input_names=["image"], output_names=names, dynamic_axes=axes)
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    return lambda im: session.run(None, {"image": im.numpy()})
+    from detpipe.export.batched import session_runner
+    return session_runner(session)
+
+
+def export_onnx_batched(model: torch.nn.Module, images: list[torch.Tensor], path: Path, opset: int) -> Callable:
+    """Write ``model`` as an ONNX graph with a dynamic batch dimension (`detpipe.export.batched.BatchedExport`:
+    input ``images`` ``float32 (B, 3, S_h, S_w)``, outputs ``boxes``, ``scores``, ``labels``, ``batch_index``, then
+    the raw head outputs with the batch first), traced on ``images`` resized to the model's input size; return
+    `detpipe.export.batched.runner` over it (onnxruntime, CPU): ``run(image)`` and ``run.many(images)`` (one call).
+
+    Raises:
+        ValueError: the model has no batched form (`detpipe.export.batched.batch_kind`).
+    """
+    import onnxruntime as ort
+
+    from detpipe.export.batched import BATCH_INPUT, BatchedExport, resize, session_runner
+
+    wrapper = BatchedExport(model).eval()
+    try:
+        batch = torch.stack([resize(im, wrapper.size) for im in images[:2]])
+        names = wrapper.output_names(batch)
+        axes = {BATCH_INPUT: {0: "batch"}, **{n: {0: "n"} for n in names[:4]}, **{n: {0: "batch"} for n in names[4:]}}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # TracerWarnings (shapes read as Python ints: fixed by the input size)
+            torch.onnx.export(wrapper, (batch,), str(path), opset_version=opset, dynamo=False,
+                              input_names=[BATCH_INPUT], output_names=names, dynamic_axes=axes)
+    finally:
+        wrapper.remove_hooks()
+    return session_runner(ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]))
 
 
 def export_program(wrapper: DetectionExport, image: torch.Tensor, path: Path) -> Callable:
@@ -413,9 +441,17 @@ train {{ meta['splits']['train']['images'] }} images, val {{ meta['splits']['val
 
 ## Files
 
+{% set batched = report.get('batch', {}).get('dynamic') %}
+{% if batched %}
+{% set image_spec = '`images`: `float32 (B, 3, %d, %d)` RGB in [0, 1], B dynamic (each image resized to %d x %d, \
+bilinear)' % (report['batch']['input_size'][0], report['batch']['input_size'][1], report['batch']['input_size'][0],\
+ report['batch']['input_size'][1]) %}
+{% else %}
 {% set image_spec = '`image`: `float32 (3, H, W)` RGB in [0, 1], H and W dynamic' %}
+{% endif %}
 {% set outputs %}
 `boxes` `float32 (N, 4)` XYXY input pixels, `scores` `float32 (N,)`, `labels` `int64 (N,)`\
+{{ ', `batch_index` `int64 (N,)` (the image of the batch)' if batched else '' }}\
 {{ ', `masks` `float32 (N, 1, H, W)` mask probabilities in [0, 1] at input pixels (> 0.5: in the mask)'\
  if masks else '' }}\
 , then the raw pre-NMS head outputs \
@@ -511,8 +547,20 @@ import numpy as np, onnxruntime as ort
 from PIL import Image
 image = np.asarray(Image.open('image.jpg').convert('RGB'), np.float32).transpose(2, 0, 1) / 255
 session = ort.InferenceSession('models/model.onnx', providers=['CPUExecutionProvider'])
+{% if batched %}
+# a batch of images (any sizes), resized to the input size; boxes mapped back to each image's pixels
+import torch
+from detpipe.export.batched import feed, split
+size, images = {{ report['batch']['input_size'] | json }}, [torch.from_numpy(image)]
+boxes, scores, labels = split(session.run(None, feed(images, size)), [im.shape[-2:] for im in images], size)[0][:3]
+{% else %}
 boxes, scores, labels = session.run(['boxes', 'scores', 'labels'], {'image': image})
+{% endif %}
 ```
+{% if not batched %}
+
+One image per call: {{ report['batch']['reason'] if 'batch' in report else 'no batched export' }}.
+{% endif %}
 {% if 'openvino' in report['formats'] %}
 
 ```python

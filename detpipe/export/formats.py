@@ -74,9 +74,11 @@ def export_openvino(onnx_path: Path, xml_path: Path, names: list[str] | None = N
 
 
 def openvino_runner(xml_path: Path, names: list[str] | None = None) -> Callable:
-    """A runner for an OpenVINO IR written by `export_openvino`: ``image`` ``float32 (3, H, W)`` torch tensor in
-    [0, 1] -> numpy arrays, the outputs named ``names`` in that order (None: the file's outputs in its order,
-    `detpipe.export.exporter.DetectionExport`'s). CPU plugin with `OPENVINO_CONFIG`; one infer request, so one call
+    """A runner for an OpenVINO IR written by `export_openvino`: ``run(image)`` (``float32 (3, H, W)`` torch tensor
+    in [0, 1]) -> the outputs named ``names`` in that order (None: the file's outputs,
+    `detpipe.export.exporter.DetectionExport`'s order), and ``run.many(images)``: one tuple per image, one infer call
+    for the whole batch when the IR is a batched graph (`detpipe.export.batched.runner`: the images resized to its
+    input size, boxes mapped back per image). CPU plugin with `OPENVINO_CONFIG`; one infer request, so one call
     at a time.
 
     Raises:
@@ -84,18 +86,25 @@ def openvino_runner(xml_path: Path, names: list[str] | None = None) -> Callable:
     """
     import openvino as ov
 
+    from detpipe.export.batched import BATCH_INDEX, graph_size, runner
+
     compiled = ov.Core().compile_model(str(xml_path), "CPU", OPENVINO_CONFIG)
     request = compiled.create_infer_request()
     by_name = {name: o for o in compiled.outputs for name in o.get_names()}
     missing = [n for n in names or [] if n not in by_name]
     if missing:
         raise StageError(f"{xml_path}: outputs {missing} missing (the file has {sorted(by_name)})")
+    first = compiled.inputs[0]
+    shape = first.get_partial_shape()
+    size = graph_size([(first.get_any_name(), [d.get_length() if d.is_static else None for d in shape])])
+    if names and size is not None and BATCH_INDEX not in names:   # batched: each detection's image index after the labels
+        names = [*names[:3], BATCH_INDEX, *names[3:]]
     outputs = [by_name[n] for n in names] if names else list(compiled.outputs)
 
-    def run(image: torch.Tensor) -> list[np.ndarray]:
-        result = request.infer({"image": np.ascontiguousarray(image.numpy())})
+    def call(inputs: dict) -> list[np.ndarray]:
+        result = request.infer(inputs)
         return [np.array(result[o]) for o in outputs]
-    return run
+    return runner(call, size)
 
 
 def network_nodes(onnx_model, raw_names: list[str]) -> list[str]:
@@ -163,13 +172,15 @@ def quantize_int8(onnx_path: Path, out_path: Path, calibration: list[torch.Tenso
 
     class Reader(CalibrationDataReader):
         def __init__(self):
-            self.items = iter([{"image": np.ascontiguousarray(im.numpy())} for im in calibration])
+            self.items = iter([feed([im], size) for im in calibration])   # batched graph: batches of one
 
         def get_next(self):
             return next(self.items, None)
 
+    from detpipe.export.batched import feed, onnx_graph_size, session_runner
     from detpipe.export.quantize import score_head_nodes
 
+    size = onnx_graph_size(onnx_path)
     model = onnx.load(str(onnx_path))
     nodes = network_nodes(model, raw_names)
     if score_head_float:
@@ -188,8 +199,7 @@ def quantize_int8(onnx_path: Path, out_path: Path, calibration: list[torch.Tenso
         raise StageError(f"{onnx_path}: onnxruntime could not quantize it ({type(e).__name__}: {e})") from None
     finally:
         ort.set_default_logger_severity(2)   # onnxruntime's default (warnings); it has no getter
-    session = int8_session(out_path)
-    return lambda im: session.run(None, {"image": im.numpy()})
+    return session_runner(int8_session(out_path))
 
 
 def int8_session(path: Path):

@@ -106,7 +106,10 @@ def quantize_accuracy_control(onnx_path: Path, out_path: Path, calibration: list
     score_head = score_head_nodes(model, raw_names)
     ignored = [n.name for n in model.graph.node if n.name not in network or n.name in score_head]
     layers = [n.name for n in model.graph.node if n.op_type in ("Conv", "Gemm", "MatMul") and n.name in network]
-    calib = nncf.Dataset([np.ascontiguousarray(im.numpy()) for im in calibration], lambda a: {"image": a})
+    from detpipe.export.batched import feed, onnx_graph_size
+
+    size = onnx_graph_size(onnx_path)   # a batched graph: each calibration image as a batch of one
+    calib = nncf.Dataset(list(calibration), lambda im: feed([im], size))
     val = nncf.Dataset(list(val_items), transform)
     measured: dict[str, float] = {}
 
@@ -142,13 +145,16 @@ def quantize_accuracy_control(onnx_path: Path, out_path: Path, calibration: list
 
 def onnx_runner(model) -> Callable:
     """A runner over an in-memory ``onnx.ModelProto`` (onnxruntime CPU, errors-only log): ``float32 (3, H, W)``
-    tensor -> the file's outputs (numpy, file order)."""
+    tensor -> `detpipe.export.exporter.DetectionExport`-order outputs (numpy; `detpipe.export.batched.session_runner`,
+    one-image or batched graph)."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.log_severity_level = 3
     session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    return lambda im: session.run(None, {"image": np.ascontiguousarray(im.numpy())})
+    from detpipe.export.batched import session_runner
+
+    return session_runner(session)
 
 
 def ap_metric(dataset, gt: dict, label_to_category: dict[int, int], masks: bool, eager: dict,

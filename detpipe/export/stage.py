@@ -5,7 +5,9 @@ section ``export``).
 `export` writes ``models/torch_export/model.pt2`` (``torch.export.save``; not for R-CNN models,
 see `detpipe.export.exporter.torch_export_supported`; ``torch.export.load(...).module()``
 takes one ``float32 (3, H, W)`` RGB image in [0, 1], H and W dynamic), ``models/model.onnx`` (opset
-``export.opset``, ``torch.onnx.export(dynamo=False)``, input ``image`` of the same form), both with the outputs of
+``export.opset``, ``torch.onnx.export(dynamo=False)``, input ``image`` of the same form; for SSD/SSDlite and the
+transformers DETRs a batched graph instead, input ``images`` ``float32 (B, 3, S_h, S_w)`` with B dynamic and a
+``batch_index`` output, `detpipe.export.batched`; the report's ``batch`` says which, and why not), both with the outputs of
 `detpipe.export.exporter.DetectionExport`: ``boxes`` ``float32 (N, 4)`` XYXY input pixels, ``scores`` ``float32 (N,)``,
 ``labels`` ``int64 (N,)``, for mask models ``masks`` ``float32 (N, 1, H, W)`` (probabilities, > 0.5 in the mask),
 then the raw pre-NMS head outputs; ``models/torchscript/`` (empty, or with ``export.torchscript: true``
@@ -16,7 +18,8 @@ float32, same signature) and ``models/int8/model.int8.onnx`` (int8 QDQ: NNCF's a
 `detpipe.export.quantize`, or with ``export.int8_method: plain`` onnxruntime static quantization; calibrated on
 ``export.calibration_images`` images of ``data/cache/train``); their folders stay empty otherwise.
 
-Parity gate, on ``export.num_images`` val images: every raw head output (before top-k and NMS, so that ties among
+Parity gate, on ``export.num_images`` val images (a batched graph: all in one call, plus the first image's top
+three quarters when they all have one size, so that two original sizes are checked): every raw head output (before top-k and NMS, so that ties among
 the near-equal scores of a barely trained model cannot reorder anything) of each file, as loaded back, must equal
 the eager model's within ``export.rtol`` of its root-mean-square magnitude (`detpipe.export.exporter.compare_raw`). The final
 detections are matched too (``export.score_threshold``, ``export.iou_match``) and reported, not gated. A run that
@@ -36,14 +39,14 @@ import time
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 import torch
 
 from detpipe import params as params_mod
 from detpipe.data.dataset import CachedDetectionDataset, uses_masks
 from detpipe.errors import StageError
-from detpipe.export.exporter import (TORCH_EXPORT_UNSUPPORTED, DetectionExport, export_onnx, export_program,
-                                     export_torchscript, model_card, parity, split_outputs, torch_export_supported)
+from detpipe.export.batched import BATCH_UNSUPPORTED, batch_kind, input_size
+from detpipe.export.exporter import (TORCH_EXPORT_UNSUPPORTED, DetectionExport, export_onnx, export_onnx_batched,
+                                     export_program, export_torchscript, model_card, parity, split_outputs, torch_export_supported)
 from detpipe.export.formats import (accuracy_gate, calibration_images, coco_ap, export_openvino, quantize_int8,
                                     val_results)
 from detpipe.files import atomic_dir, atomic_write_bytes, atomic_write_json, temp_prefix
@@ -96,23 +99,32 @@ def export(cfg: params_mod.Export, model_path: Path = MODEL, cache_dir: Path = C
     images = [dataset[i][0] for i in range(min(cfg.num_images, len(dataset)))]
     if not images:
         raise StageError(f"{cache_dir}/val: no images to check the export on")
+    target = model.eval() if model is not None else reference
+    kind = batch_kind(target)
+    if kind and len({tuple(im.shape) for im in images}) == 1:
+        # the batched graph's gate covers another original size too: the first image's top three quarters
+        images.append(images[0][:, : images[0].shape[1] * 3 // 4].contiguous())
     eager_wrapper = DetectionExport(reference, masks).eval()
     all_names = eager_wrapper.output_names(images[0])
     names = all_names[3 + int(masks):]
     with torch.inference_mode():
         eager = [split_outputs(eager_wrapper(im), masks) for im in images]
-    target = model.eval() if model is not None else reference
     wrapper = DetectionExport(target, masks).eval() if model is not None else eager_wrapper
     report = {"images": len(images), "rtol": cfg.rtol, "score_threshold": cfg.score_threshold,
               "iou_match": cfg.iou_match, "opset": cfg.opset, "masks": masks, "raw_outputs": names, "formats": {},
-              "seconds": {}}
+              "seconds": {}, "image_sizes": [list(im.shape[1:]) for im in images],
+              "batch": ({"dynamic": True, "family": kind, "input_size": list(input_size(target))} if kind else
+                        {"dynamic": False, "reason": BATCH_UNSUPPORTED})}
+    if not kind:
+        log.warning("models/model.onnx takes one image per call: %s", BATCH_UNSUPPORTED)
 
     # named by the temporary-name rule, so that `detpipe.ops.repair` removes what a killed export left
     staging = Path(out_dir) / f"{temp_prefix(Path(out_dir) / 'export')}{os.getpid()}"
     with atomic_dir(staging) as tmp:
         for folder in FOLDERS:
             (tmp / folder).mkdir()
-        runners = {"onnx": lambda p: export_onnx(wrapper, images[0], p, cfg.opset)}
+        runners = {"onnx": (lambda p: export_onnx_batched(target, images, p, cfg.opset)) if kind else
+                   (lambda p: export_onnx(wrapper, images[0], p, cfg.opset))}
         if not cfg.torch_export:
             report["skipped"] = {"torch_export": "export.torch_export: false"}
         elif torch_export_supported(target):
@@ -129,8 +141,9 @@ def export(cfg: params_mod.Export, model_path: Path = MODEL, cache_dir: Path = C
         for fmt, make in runners.items():
             t0 = time.perf_counter()
             run = make(tmp / FILES[fmt])
-            with torch.inference_mode():
-                outs = [split_outputs(run(im), masks) for im in images]
+            with torch.inference_mode():   # a batched graph: every image in ONE call (`run.many`)
+                outs = [split_outputs(o, masks) for o in (run.many(images) if hasattr(run, "many")
+                                                          else [run(im) for im in images])]
             report["formats"][fmt] = r = {"gate": "parity", **parity(eager, outs, names, cfg.rtol,
                                                                      cfg.score_threshold, cfg.iou_match)}
             report["seconds"][fmt] = time.perf_counter() - t0
@@ -217,11 +230,14 @@ def _int8(tmp: Path, cfg: params_mod.Export, eager_wrapper: DetectionExport, eag
             log.info("int8 auto: plain quantizer AP %.4f AP50 %.4f, %d detections: %s", ap["AP"], ap["AP50"],
                      count, "kept" if first["ok"] else "fails its gate, accuracy control next")
     if method == "accuracy_control":
+        from detpipe.export.batched import feed, onnx_graph_size
+
+        size = onnx_graph_size(tmp / FILES["onnx"])
         metric = validate or ap_metric(val, gt, l2c, masks, eager_ap, cfg.count_score, eager_count,
                                        cfg.max_count_ratio)
         quantizer = quantize_accuracy_control(
             tmp / FILES["onnx"], tmp / FILES["int8"], calib, names, list(range(len(val))),
-            lambda i: {"image": np.ascontiguousarray(val[i][0].numpy())}, metric, cfg.max_ap_drop)
+            lambda i: feed([val[i][0]], size), metric, cfg.max_ap_drop)
         run = onnx_runner(onnx.load(str(tmp / FILES["int8"])))
     if first is not None:
         quantizer["auto_plain_first"] = first

@@ -19,13 +19,15 @@ def load_runner(model_path: Path | str) -> tuple[Runner, str, int | None]:
 
     The runner takes ``float32 (3, h, w)`` images in [0, 1] and returns per image ``{"boxes": float32 (N, 4)
     XYXY prepared-image pixels, "scores": float32 (N,), "labels": int64 (N,)}``. A runner that runs the images of
-    a batch one after the other (ONNX, OpenVINO: their graphs take one image) has the attribute ``per_image = True``.
+    a batch one after the other (ONNX and OpenVINO files of a one-image graph: families without a batched export,
+    `detpipe.export.batched.BATCH_UNSUPPORTED`) has the attribute ``per_image = True``; a batched graph
+    (`detpipe.export.batched`: SSD/SSDlite, RT-DETRv2, D-FINE) runs the whole batch in one call.
 
     Args:
         model_path: ``*.onnx`` (the export stage's ``models/model.onnx`` or its int8 ``models/int8/model.int8.onnx``:
-            onnxruntime, ``CPUExecutionProvider``, one image per call), ``*.xml`` (OpenVINO IR,
+            onnxruntime, ``CPUExecutionProvider``), ``*.xml`` (OpenVINO IR,
             ``models/openvino/model.xml`` with its ``.bin`` beside it: OpenVINO's CPU plugin at float32 precision,
-            `detpipe.export.formats.openvino_runner`, one image per call) or ``*.pt`` (the train stage's checkpoint,
+            `detpipe.export.formats.openvino_runner`) or ``*.pt`` (the train stage's checkpoint,
             `detpipe.models.load_model`, eager, the batch at once, CPU). All take and give the same tensors.
     Raises:
         StageError: the file is missing, of an unknown kind, or not loadable.
@@ -50,11 +52,17 @@ def load_runner(model_path: Path | str) -> tuple[Runner, str, int | None]:
         if names != ["boxes", "scores", "labels"]:
             raise StageError(f"{path}: outputs {names} are not the export stage's (boxes, scores, labels)")
 
+        from detpipe.export.batched import BATCH_INDEX, graph_size, runner
+
+        size = graph_size([(i.name, i.shape) for i in session.get_inputs()])
+        wanted = [*names, BATCH_INDEX] if size is not None else names
+        many = runner(lambda f: session.run(wanted, f), size).many
+
         def run_onnx(images: list[torch.Tensor]) -> list[dict]:
-            outs = [session.run(names, {"image": im.numpy()}) for im in images]
-            return [{"boxes": torch.from_numpy(b), "scores": torch.from_numpy(s), "labels": torch.from_numpy(lab)}
-                    for b, s, lab in outs]
-        run_onnx.per_image = True   # its graph takes one image: `detpipe.serve.batcher.Batcher` answers each at once
+            return [{"boxes": torch.as_tensor(b), "scores": torch.as_tensor(s), "labels": torch.as_tensor(lab).long()}
+                    for b, s, lab, *_ in many(images)]
+        # a one-image graph: `detpipe.serve.batcher.Batcher` answers each image at once; a batched one: one call
+        run_onnx.per_image = size is None
         kind = "int8 QDQ" if path.name.endswith(".int8.onnx") else "float32"
         return run_onnx, f"onnxruntime {ort.__version__} {kind} ({path})", None
     if path.suffix == ".xml":
@@ -74,10 +82,9 @@ def load_runner(model_path: Path | str) -> tuple[Runner, str, int | None]:
                              f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})") from None
 
         def run_openvino(images: list[torch.Tensor]) -> list[dict]:
-            outs = [run_one(im) for im in images]
-            return [{"boxes": torch.from_numpy(b), "scores": torch.from_numpy(s), "labels": torch.from_numpy(lab).long()}
-                    for b, s, lab in outs]
-        run_openvino.per_image = True
+            return [{"boxes": torch.as_tensor(b), "scores": torch.as_tensor(s), "labels": torch.as_tensor(lab).long()}
+                    for b, s, lab, *_ in run_one.many(images)]
+        run_openvino.per_image = not run_one.batched
         return run_openvino, f"openvino {ov.__version__} CPU float32 ({path})", None
     if path.suffix == ".pt":
         from detpipe.models import load_model

@@ -23,6 +23,7 @@ from torchvision.ops import box_iou
 
 from detpipe.data.dataset import CachedDetectionDataset
 from detpipe.errors import StageError
+from detpipe.export.batched import session_runner
 from detpipe.export.exporter import compare_raw, match_detections, split_outputs
 from detpipe.export.formats import openvino_runner
 from detpipe.params import Export
@@ -136,15 +137,20 @@ def test_openvino_agrees_with_onnx_on_real_images(formats_workdir):
 
 
 def _openvino_body(work: Path) -> None:
-    names = json.loads((work / "models/export_report.json").read_text())["raw_outputs"]
+    report = json.loads((work / "models/export_report.json").read_text())
+    names = report["raw_outputs"]
+    # SSDlite: a batched graph, its gate checked on at least two original sizes (the fixed cache's 320 x 320 and more)
+    assert report["batch"] == {"dynamic": True, "family": "ssd", "input_size": [320, 320]}, report["batch"]
+    assert len({tuple(s) for s in report["image_sizes"]}) >= 2 and len(report["image_sizes"]) == report["images"]
     all_names = [o.name for o in ort.InferenceSession(str(work / FILES["onnx"])).get_outputs()]
     session = ort.InferenceSession(str(work / FILES["onnx"]), providers=["CPUExecutionProvider"])
     run_ov = openvino_runner(work / FILES["openvino"], all_names)
     _, cfg = data_meta(work / "data")
     images = [prepare((COCO128 / "train2017" / n).read_bytes(), n, cfg).image for n in OTHER_IMAGES]
     images += [torch.nn.functional.interpolate(images[0][None], size=(300, 400))[0]]   # another size
-    onnx_out = [split_outputs(session.run(None, {"image": im.numpy()}), False) for im in images]
-    ov_out = [split_outputs(run_ov(im), False) for im in images]
+    # the batched graphs: all images (of several sizes) in one call of each file
+    onnx_out = [split_outputs(o, False) for o in session_runner(session).many(images)]
+    ov_out = [split_outputs(o, False) for o in run_ov.many(images)]
     raw = compare_raw([r for _, r in onnx_out], [r for _, r in ov_out], names, 1e-3)
     assert raw["ok"] and raw["compared"] == 2 * len(images), raw
     for (o, _), (v, _) in zip(onnx_out, ov_out):

@@ -348,6 +348,7 @@ def test_export_mask_model_with_masks_output(mask_trained, tmp_path):
     stage_cli("export", work)
     report = json.loads((work / "models/export_report.json").read_text())
     assert report["masks"] is True
+    assert report["batch"]["dynamic"] is False and "R-CNN" in report["batch"]["reason"]   # one-image graph, said so
     for fmt, r in report["formats"].items():  # raw RPN outputs gate; the detections match too (below)
         assert r["raw"]["ok"] and r["detections"]["compared"] > 0, fmt
     card = (work / "models/model_card.md").read_text()
