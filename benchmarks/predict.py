@@ -77,7 +77,7 @@ def gate_figures(workdir: Path, fmt: str, row: dict, eager: dict | None) -> tupl
     if fmt == PLAIN:   # the score head (`score_head_nodes`), kept float by rule
         import onnx
 
-        from detpipe.export.quantize import score_head_nodes
+        from detpipe.export.formats import score_head_nodes
 
         kept = str(len(score_head_nodes(onnx.load(str(workdir / FORMATS["onnx"])), report["raw_outputs"])))
     else:

@@ -107,6 +107,31 @@ def openvino_runner(xml_path: Path, names: list[str] | None = None) -> Callable:
     return runner(call, size)
 
 
+SCORE_OUTPUT_HINTS = ("cls", "logits", "score", "objectness", "ctrness")
+
+
+def score_head_nodes(onnx_model, raw_names: list[str]) -> list[str]:
+    """Names of the last ``Conv`` nodes before each raw score output (a raw output whose name contains one of
+    `SCORE_OUTPUT_HINTS`: ``head.cls_logits``): walking back from the output through the non-Conv nodes (reshape,
+    permute, concat), the first ``Conv`` met on each path. Quantizing these (per-level classification convs) puts an
+    8-bit grid on the logits that the softmax turns into scores; they are kept float."""
+    graph = onnx_model.graph
+    producer = {out: node for node in graph.node for out in node.output}
+    found: list[str] = []
+    seen: set[str] = set()
+    todo = [producer[n] for n in raw_names if n in producer and any(h in n.lower() for h in SCORE_OUTPUT_HINTS)]
+    while todo:
+        node = todo.pop()
+        if node.name in seen:
+            continue
+        seen.add(node.name)
+        if node.op_type == "Conv":
+            found.append(node.name)
+            continue
+        todo += [producer[i] for i in node.input if i in producer]
+    return sorted(found)
+
+
 def network_nodes(onnx_model, raw_names: list[str]) -> list[str]:
     """Names of the ONNX nodes int8 quantization covers: those of type `QUANTIZED_OPS` on a path from the graph's
     first ``Conv`` (the backbone's stem) to a raw head output (``raw_names``: the convolutional network itself),
@@ -148,7 +173,7 @@ def quantize_int8(onnx_path: Path, out_path: Path, calibration: list[torch.Tenso
     QDQ format, activations ``QUInt8`` (asymmetric, MinMax calibration over ``calibration``), weights ``QInt8`` per
     output channel with ``reduce_range`` (7-bit weights: this machine's AVX2 without VNNI multiplies u8 x s8 with a
     16-bit intermediate that saturates at full range, as onnxruntime's documentation warns), on the network's
-    nodes only (`network_nodes`) minus, by default, the score head (`detpipe.export.quantize.score_head_nodes`: the
+    nodes only (`network_nodes`) minus, by default, the score head (`score_head_nodes`: the
     last ``Conv`` before each raw score output, kept float32 so that the logits the softmax turns into scores are
     not put on an 8-bit grid; issue 50 item 3). Returns a runner over the written file (onnxruntime, CPU).
 
@@ -178,7 +203,6 @@ def quantize_int8(onnx_path: Path, out_path: Path, calibration: list[torch.Tenso
             return next(self.items, None)
 
     from detpipe.export.batched import feed, onnx_graph_size, session_runner
-    from detpipe.export.quantize import score_head_nodes
 
     size = onnx_graph_size(onnx_path)
     model = onnx.load(str(onnx_path))

@@ -28,31 +28,6 @@ import torch
 from detpipe.errors import StageError
 
 log = logging.getLogger(__name__)
-SCORE_OUTPUT_HINTS = ("cls", "logits", "score", "objectness", "ctrness")
-
-
-def score_head_nodes(onnx_model, raw_names: list[str]) -> list[str]:
-    """Names of the last ``Conv`` nodes before each raw score output (a raw output whose name contains one of
-    `SCORE_OUTPUT_HINTS`: ``head.cls_logits``): walking back from the output through the non-Conv nodes (reshape,
-    permute, concat), the first ``Conv`` met on each path. Quantizing these (per-level classification convs) puts an
-    8-bit grid on the logits that the softmax turns into scores; they are kept float."""
-    graph = onnx_model.graph
-    producer = {out: node for node in graph.node for out in node.output}
-    found: list[str] = []
-    seen: set[str] = set()
-    todo = [producer[n] for n in raw_names if n in producer and any(h in n.lower() for h in SCORE_OUTPUT_HINTS)]
-    while todo:
-        node = todo.pop()
-        if node.name in seen:
-            continue
-        seen.add(node.name)
-        if node.op_type == "Conv":
-            found.append(node.name)
-            continue
-        todo += [producer[i] for i in node.input if i in producer]
-    return sorted(found)
-
-
 def float_layers(onnx_model, layer_names: list[str]) -> list[str]:
     """Of ``layer_names`` (Conv/Gemm/MatMul nodes of the float graph), those whose weight input is not produced by a
     ``DequantizeLinear`` in ``onnx_model`` (a QDQ graph): the layers that run in float32."""
@@ -94,7 +69,7 @@ def quantize_accuracy_control(onnx_path: Path, out_path: Path, calibration: list
     import onnx
     from nncf.quantization.advanced_parameters import AdvancedAccuracyRestorerParameters
 
-    from detpipe.export.formats import network_nodes
+    from detpipe.export.formats import network_nodes, score_head_nodes
 
     if not calibration:
         raise StageError(f"{out_path}: no calibration images (export.calibration_images >= 1, data/cache/train)")

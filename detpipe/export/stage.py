@@ -48,7 +48,7 @@ from detpipe.export.batched import BATCH_UNSUPPORTED, batch_kind, input_size
 from detpipe.export.exporter import (TORCH_EXPORT_UNSUPPORTED, DetectionExport, export_onnx, export_onnx_batched,
                                      export_program, export_torchscript, model_card, parity, split_outputs, torch_export_supported)
 from detpipe.export.formats import (accuracy_gate, calibration_images, coco_ap, export_openvino, quantize_int8,
-                                    val_results)
+                                    val_results, score_head_nodes)
 from detpipe.files import atomic_dir, atomic_write_bytes, atomic_write_json, temp_prefix
 from detpipe.models import load_model
 from detpipe.paths import ARROW_DIR, CACHE_DIR, EXPORT_METRICS, METRICS, MODEL, MODELS_DIR
@@ -201,7 +201,7 @@ def _int8(tmp: Path, cfg: params_mod.Export, eager_wrapper: DetectionExport, eag
     from detpipe.evaluation.detections import label_to_category_id
     from detpipe.evaluation.ground_truth import gt_from_arrow
     from detpipe.export.quantize import (ap_metric, count_check, onnx_runner, quantize_accuracy_control,
-                                         score_figures, score_head_nodes)
+                                         score_figures)
 
     t0 = time.perf_counter()
     calib = calibration if calibration is not None else calibration_images(cache_dir, cfg.calibration_images)
