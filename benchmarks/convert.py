@@ -6,7 +6,7 @@ equal to a train image), then
 
 * times `detpipe.data.convert.convert` and the *validation floor* on the same images: the same files read and
   decoded at 1/8 scale (``PIL.Image.draft``, what convert's image check does) by a process pool with the same
-  number of workers (`detpipe.pool`, tasks of `FLOOR_CHUNK` files), nothing written; page cache warmed for
+  number of workers (`detpipe.core.pool`, tasks of `FLOOR_CHUNK` files), nothing written; page cache warmed for
   both, runs interleaved, best of ``--repeat``; prints images/s of each and their ratio (goal >= 0.8: convert
   costs at most 25 % more than the decode it cannot avoid);
 * for information, a *decode + write floor*: the same pool and tasks, each also writing its files' bytes to one
@@ -141,7 +141,7 @@ def _decode_eighth_and_write(task: tuple[list[str], str]) -> int:
 def validation_floor(folder: Path, workers: int, write_to: Path | None = None) -> int:
     """Decode every file of ``folder`` at 1/8 scale with ``workers`` processes (0 = here); nothing written,
     or with ``write_to`` (a new folder) also each task's file bytes to a file there. Returns the file count."""
-    from detpipe.pool import bounded_map, process_pool
+    from detpipe.core.pool import bounded_map, process_pool
 
     paths = sorted(str(p) for p in folder.iterdir())
     chunks = [paths[i:i + FLOOR_CHUNK] for i in range(0, len(paths), FLOOR_CHUNK)]

@@ -12,7 +12,7 @@ from ruamel.yaml import YAML
 from ruamel.yaml.error import YAMLError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator, model_validator
 
-from detpipe.errors import StageError
+from detpipe.core.errors import StageError
 
 PARAMS_FILE = Path("params.yaml")
 
@@ -32,7 +32,7 @@ class DownloadPart(_Section):
 
 
 # The JSON schema of download.source written out inline: the Prefect deployment's ``overrides`` schema takes each
-# key's schema on its own (`detpipe.ops.overrides.json_schema`), where a $ref to DownloadPart would dangle.
+# key's schema on its own (`detpipe.orchestration.overrides.json_schema`), where a $ref to DownloadPart would dangle.
 _SOURCE_SCHEMA = {"anyOf": [
     {"type": "string"},
     {"type": "array", "minItems": 1, "items": {"anyOf": [

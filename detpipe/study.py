@@ -105,7 +105,7 @@ class TrialReporter:
         value = float(stats[self.spec["objective"]])
         self.trial.report(value, iteration)
         if self.trial.should_prune():
-            self.trial.set_user_attr("pruned_at", iteration)   # detpipe.ops.search.PRUNED_ATTR: told PRUNED
+            self.trial.set_user_attr("pruned_at", iteration)   # detpipe.orchestration.search.PRUNED_ATTR: told PRUNED
             log.info("trial %s of study %s pruned at iteration %d (val %s %.4f)", self.spec["number"],
                      self.spec["study"], iteration, self.spec["objective"], value)
             return (f"pruned by the search (study {self.spec['study']}, trial {self.spec['number']}, "

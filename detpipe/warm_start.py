@@ -12,8 +12,8 @@ import logging
 import os
 from pathlib import Path
 
-from detpipe.errors import StageError
-from detpipe.paths import MODEL, list_checkpoints
+from detpipe.core.errors import StageError
+from detpipe.core.paths import MODEL, list_checkpoints
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@ Optuna hyperparameter search whose every trial is a DVC experiment (docs/search.
 
 The ``search`` section of params.yaml says what to vary and how (`detpipe.params.Search`). ``search.max_parallel``
 lanes (Prefect tasks; with more than one, the stages before training are reproduced once first, as a sweep does)
-each loop: claim a trial (`detpipe.ops.search.claim`: a new one, or a running one whose search
+each loop: claim a trial (`detpipe.orchestration.search.claim`: a new one, or a running one whose search
 died), run it as a ``train`` flow run named ``<study>-t<N>`` (its own workspace ``.dvc/tmp/runs/<study>-t<N>``, the
 trial's params as overrides, its trial written there so that training reports val AP to it and is pruned through
 the early-stopping path), then tell the study the result read from metrics/eval.json (or PRUNED / FAIL). The
@@ -22,7 +22,7 @@ from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from detpipe import params as params_mod
-from detpipe.ops import search as search_ops
+from detpipe.orchestration import search as search_ops
 from flows.train import REPO_ENV, repository, train
 
 
@@ -31,7 +31,7 @@ def settings(root: Path, changes: dict[str, Any] | None) -> params_mod.Search:
     {...}}``) applied. Raises StageError (bad params.yaml, or ``evaluate.num_plot_images`` 0: a trial's ``dvc exp
     save`` then fails with ``output 'plots/val_images' does not exist``, since git keeps no empty folder) or
     pydantic's ValidationError (bad changes)."""
-    from detpipe.errors import StageError
+    from detpipe.core.errors import StageError
 
     if params_mod.load("evaluate", path=root / "params.yaml").num_plot_images < 1:
         raise StageError(f"{root / 'params.yaml'}: key 'evaluate.num_plot_images' is 0: a search trial is saved as a "
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     from pydantic import ValidationError
     from ruamel.yaml import YAML
 
-    from detpipe.errors import StageError
+    from detpipe.core.errors import StageError
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--set", "-s", action="append", default=[], metavar="KEY=VALUE",

@@ -5,14 +5,14 @@ registers the deployments and runs their flow runs in subprocesses of this proce
 Trigger a run with ``prefect deployment run train/main --params '{"overrides": {"train.lr": 0.01}}' --watch``.
 Runs at once: the deployment's ``concurrency_limit`` (``flows.max_parallel``); more wait in Prefect's
 AwaitingConcurrencySlot state. Runs send heartbeats, and a run whose process died is marked Crashed
-(`detpipe.ops.deployments`); ``prefect flow-run retry <id>`` then resumes it.
+(`detpipe.orchestration.deployments`); ``prefect flow-run retry <id>`` then resumes it.
 
 ``python -m flows.serve --work-pool POOL`` instead registers ``train/main`` on a work pool (created as a
 ``process`` pool if missing) and exits; ``prefect worker start --pool POOL`` on each machine then runs it.
 ``--source GIT_URL [--branch B]`` registers ``train/<B>`` (or ``--name``) whose workers clone that branch into a
-temporary folder: its runs sync with the remotes (``DETPIPE_SYNC=1``, `detpipe.ops.remotes`). Each code source is
-its own deployment: a name already registered for another source is refused (`detpipe.ops.deployments.claim`).
-The ``overrides`` parameter's schema lists every params.yaml key (`detpipe.ops.deployments.with_schema`).
+temporary folder: its runs sync with the remotes (``DETPIPE_SYNC=1``, `detpipe.orchestration.remotes`). Each code source is
+its own deployment: a name already registered for another source is refused (`detpipe.orchestration.deployments.claim`).
+The ``overrides`` parameter's schema lists every params.yaml key (`detpipe.orchestration.deployments.with_schema`).
 """
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ import os
 import sys
 
 from detpipe import params as params_mod
-from detpipe.ops import deployments
-from detpipe.ops.remotes import SYNC_ENV
+from detpipe.orchestration import deployments
+from detpipe.orchestration.remotes import SYNC_ENV
 from flows.sweep import sweep
 from flows.train import DEFAULT_REPO, REPO_ENV, train
 
@@ -42,7 +42,7 @@ def max_parallel(limit: int | None) -> int:
 def serve(name: str = "main", limit: int | None = None) -> None:
     """Register deployments ``train/<name>`` (at most `max_parallel` runs at once) and ``sweep/<name>`` and
     execute their runs here until interrupted (Prefect's ``serve``), with heartbeats and crash detection.
-    Raises `SystemExit` when a setting is bad or `detpipe.ops.deployments.claim` refuses the name."""
+    Raises `SystemExit` when a setting is bad or `detpipe.orchestration.deployments.claim` refuses the name."""
     from prefect import serve as prefect_serve
 
     os.environ.update(deployments.heartbeat_env())  # inherited by the runs
@@ -60,7 +60,7 @@ def register_on_pool(pool: str, name: str | None = None, source: str | None = No
     """Register deployment ``train/<name>`` on work pool ``pool`` (created as type ``process`` if missing),
     with the flow code taken from ``source``: this checkout by default (name ``main``), or branch ``branch``
     (default ``main``) of a git URL for workers on other machines (name ``branch``; runs sync with the
-    remotes). Returns the deployment's name; raises `SystemExit` when `detpipe.ops.deployments.claim` refuses
+    remotes). Returns the deployment's name; raises `SystemExit` when `detpipe.orchestration.deployments.claim` refuses
     the name or a setting is bad."""
     from prefect import deploy
     from prefect.runner.storage import GitRepository

@@ -19,8 +19,8 @@ from prefect.client.orchestration import get_client
 from prefect.runtime import flow_run
 
 from detpipe import params as params_mod
-from detpipe.ops import overrides
-from detpipe.ops.experiments import experiment_name
+from detpipe.orchestration import overrides
+from detpipe.orchestration.experiments import experiment_name
 from flows.search import search as search_flow
 from flows.train import REPO_ENV, report, repository, train
 
@@ -37,7 +37,7 @@ def experiment(overrides: dict[str, Any], repo: str, name: str) -> dict:
 @flow(name="sweep", persist_result=True)
 def sweep(grid: dict[str, Any] | None = None, runs: list[dict[str, Any]] | None = None,
           repo: str | None = None, search: dict[str, Any] | None = None) -> list[dict] | dict:
-    """Run every override set of ``grid``/``runs`` (see `detpipe.ops.overrides.expand`) as an experiment named
+    """Run every override set of ``grid``/``runs`` (see `detpipe.orchestration.overrides.expand`) as an experiment named
     ``<sweep run name>-<i>``; returns their results and publishes table artifact ``sweep-results`` (runs ×
     overrides × AP, AP50).
 

@@ -2,14 +2,14 @@
 
 ``python -m flows.train [--param train.lr=0.01 ...] [--repo PATH]`` runs it once in this process; ``python -m
 flows.serve`` serves it as deployment ``train/main``. A run works in a git worktree of the repository's commit
-sharing its DVC cache (`detpipe.ops.workspace`), writes its overrides into that worktree's params.yaml
-(`detpipe.ops.overrides`), runs ``dvc repro --single-item <stage>`` per stage task (DVC skips what is up to date;
-commands bound to the run's life by `detpipe.ops.processes`) and saves the worktree as DVC experiment named after the
-flow run (`detpipe.ops.experiments`: ``dvc exp save``, with the ``cache: false`` metrics and plots ``dvc exp run``
+sharing its DVC cache (`detpipe.orchestration.workspace`), writes its overrides into that worktree's params.yaml
+(`detpipe.orchestration.overrides`), runs ``dvc repro --single-item <stage>`` per stage task (DVC skips what is up to date;
+commands bound to the run's life by `detpipe.orchestration.processes`) and saves the worktree as DVC experiment named after the
+flow run (`detpipe.orchestration.experiments`: ``dvc exp save``, with the ``cache: false`` metrics and plots ``dvc exp run``
 would commit).
 
 With ``sync`` (always in a ``--source`` deployment, whose clone is thrown away) the run also pulls from and
-pushes to the team's remotes (`detpipe.ops.remotes`): it fails at once without them, continues an experiment of
+pushes to the team's remotes (`detpipe.orchestration.remotes`): it fails at once without them, continues an experiment of
 its name an earlier attempt pushed, pushes each stage's outputs, training's checkpoints while it runs and what
 it has when it fails, and ends with ``dvc exp push origin <name>``.
 """
@@ -28,11 +28,11 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 
-from detpipe import lifeline
+from detpipe.core import lifeline
 from detpipe import params as params_mod
-from detpipe.ops import experiments, remotes, workspace
-from detpipe.ops import overrides as overrides_mod   # the flow's parameter `overrides` takes the module's name
-from detpipe.ops.repair import repair
+from detpipe.orchestration import experiments, remotes, workspace
+from detpipe.orchestration import overrides as overrides_mod   # the flow's parameter `overrides` takes the module's name
+from detpipe.orchestration.repair import repair
 from detpipe.study import write_trial_file
 
 STAGES = ("download", "convert", "augment", "train", "evaluate", "export")
@@ -42,17 +42,17 @@ REPO_ENV = "DETPIPE_REPO"  # the repository the flow works on, when the ``repo``
 
 def repository(repo: str | None) -> Path:
     """The repository a run works on: ``repo``, else ``$DETPIPE_REPO``, else the one holding this file; raises
-    `detpipe.ops.workspace.WorkspaceError` unless it is a git+DVC repository with the pipeline's `STAGES`."""
+    `detpipe.orchestration.workspace.WorkspaceError` unless it is a git+DVC repository with the pipeline's `STAGES`."""
     return workspace.resolve_repo(repo or os.environ.get(REPO_ENV) or DEFAULT_REPO, STAGES)
 
 
 @task(name="stage", task_run_name="{stage}", retries=1, retry_delay_seconds=10, cache_policy=NO_CACHE,
       persist_result=False)
 def repro_stage(stage: str, ws: str, sync: remotes.Run | None = None, push_every: int = 0) -> str:
-    """Reproduce ``stage`` in workspace ``ws`` (`detpipe.ops.experiments.repro`; its upstream stages are the
-    earlier tasks), after `detpipe.ops.repair.repair` undid what a killed DVC left; with ``sync`` also pull,
+    """Reproduce ``stage`` in workspace ``ws`` (`detpipe.orchestration.experiments.repro`; its upstream stages are the
+    earlier tasks), after `detpipe.orchestration.repair.repair` undid what a killed DVC left; with ``sync`` also pull,
     push checkpoints every ``push_every`` while training, and push the outputs. Returns ``"ran"``,
-    ``"restored"`` or ``"skipped"``. Raises `detpipe.ops.processes.CommandError`."""
+    ``"restored"`` or ``"skipped"``. Raises `detpipe.orchestration.processes.CommandError`."""
     logger, ws = get_run_logger(), Path(ws)
     for note in repair(ws):
         logger.warning("repair: %s", note)
@@ -66,8 +66,8 @@ def repro_stage(stage: str, ws: str, sync: remotes.Run | None = None, push_every
 
 @task(name="experiment", task_run_name="exp-save-{name}", retries=1, cache_policy=NO_CACHE, persist_result=False)
 def save_experiment(name: str, ws: str, sync: remotes.Run | None = None) -> str:
-    """Save workspace ``ws`` as experiment ``name`` (`detpipe.ops.experiments.save`), with ``sync`` pushed
-    (`detpipe.ops.remotes.push_experiment`); returns the experiment's git ref."""
+    """Save workspace ``ws`` as experiment ``name`` (`detpipe.orchestration.experiments.save`), with ``sync`` pushed
+    (`detpipe.orchestration.remotes.push_experiment`); returns the experiment's git ref."""
     ref = experiments.save(Path(ws), name, get_run_logger())
     if sync:
         remotes.push_experiment(Path(ws), ref, sync.remotes, get_run_logger())
@@ -84,20 +84,20 @@ def train(overrides: dict[str, Any] | None = None, repo: str | None = None, upto
         overrides: params.yaml overrides, ``{"train.lr": 0.01}`` (or ``{"train": {"lr": 0.01}}``).
         repo: repository to run in (default ``$DETPIPE_REPO``, else the one holding this file).
         upto: last stage to run; before ``export`` the run is no experiment (a sweep's shared stages).
-        sync: pull from and push to the git remote ``origin`` and the default DVC remote (`detpipe.ops.remotes`);
+        sync: pull from and push to the git remote ``origin`` and the default DVC remote (`detpipe.orchestration.remotes`);
             always on where ``$DETPIPE_SYNC`` is 1 (``--source`` deployments).
-        trial: a search trial (`detpipe.ops.search.trial_spec`) the training reports its val AP to, written to
+        trial: a search trial (`detpipe.orchestration.search.trial_spec`) the training reports its val AP to, written to
             the workspace's `detpipe.study.TRIAL_FILE` (neither a param nor an output).
         workspace_id: the workspace's folder name under ``.dvc/tmp/runs`` (default: the flow run id); a search
             names it after the trial, so a trial resumed by another search continues in the workspace it kept.
     Returns:
-        `detpipe.ops.experiments.summarize`'s dict, also published as markdown artifact ``train-results``; None
+        `detpipe.orchestration.experiments.summarize`'s dict, also published as markdown artifact ``train-results``; None
         when ``upto`` stops early.
     Raises:
-        StageError: bad overrides or repository, a remote missing or unreachable (`detpipe.ops.remotes.RemoteError`,
+        StageError: bad overrides or repository, a remote missing or unreachable (`detpipe.orchestration.remotes.RemoteError`,
             before any work), or a stage failing after its retries.
     """
-    if os.environ.get("PREFECT__FLOW_RUN_ID"):  # started by serve or a worker: die with it (see detpipe.ops.processes)
+    if os.environ.get("PREFECT__FLOW_RUN_ID"):  # started by serve or a worker: die with it (see detpipe.orchestration.processes)
         lifeline.die_with_parent()
     logger = get_run_logger()
     root, overrides = repository(repo), overrides_mod.normalize(overrides)

@@ -7,9 +7,9 @@ module docstring).
 from __future__ import annotations
 
 from detpipe.data.augment import build_cache
-from detpipe.errors import run_program
+from detpipe.core.errors import run_program
 from detpipe.params import load
-from detpipe.paths import ARROW_DIR, CACHE_DIR
+from detpipe.core.paths import ARROW_DIR, CACHE_DIR
 
 
 def main() -> None:

@@ -9,9 +9,9 @@ module docstring).
 from __future__ import annotations
 
 from detpipe.data.convert import convert
-from detpipe.errors import run_program
+from detpipe.core.errors import run_program
 from detpipe.params import load
-from detpipe.paths import ARROW_DIR, LABEL_PLOTS, RAW_DIR
+from detpipe.core.paths import ARROW_DIR, LABEL_PLOTS, RAW_DIR
 
 
 def main() -> None:

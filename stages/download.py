@@ -12,7 +12,7 @@ import argparse
 from typing import Optional
 
 from detpipe.data.download import download_raw, print_sha256
-from detpipe.errors import run_program
+from detpipe.core.errors import run_program
 from detpipe.params import load
 
 

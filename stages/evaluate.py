@@ -7,7 +7,7 @@ torchrun). The work is `detpipe.evaluation.evaluate.evaluate_or_launch` (see its
 """
 from __future__ import annotations
 
-from detpipe.errors import run_program
+from detpipe.core.errors import run_program
 from detpipe.evaluation.evaluate import evaluate_or_launch
 from detpipe.params import load
 

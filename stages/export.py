@@ -8,7 +8,7 @@ checked against the eager model.
 """
 from __future__ import annotations
 
-from detpipe.errors import run_program
+from detpipe.core.errors import run_program
 from detpipe.export.stage import export
 from detpipe.params import load
 

@@ -4,7 +4,7 @@
 ``torchrun --rdzv-backend c10d ... -m stages.train`` (`detpipe.launch.jobs`; under Slurm with ``train.launcher:
 slurm``); each worker (detected by torchrun's ``LOCAL_RANK`` variable) trains with DDP — gloo on CPU, nccl on
 CUDA. A worker binds itself to its launcher as it starts (exec'd: before it imports torch): the kernel kills it when
-the launcher dies, at once if the launcher died before (`detpipe.lifeline.die_with_launcher`), so a ``kill -9``
+the launcher dies, at once if the launcher died before (`detpipe.core.lifeline.die_with_launcher`), so a ``kill -9``
 of the stage never leaves workers training on beside the next run. ``python -m detpipe.launch.emit slurm|k8s``
 writes the Slurm script / Kubernetes manifest instead (docs/multi-node.md; not imported here, so editing it does not
 invalidate trained models).
@@ -27,18 +27,18 @@ from __future__ import annotations
 
 import os
 
-from detpipe.errors import run_program
-from detpipe.lifeline import die_with_launcher
+from detpipe.core.errors import run_program
+from detpipe.core.lifeline import die_with_launcher
 
 # Only light modules above (standard library only); the rest (torch, pydantic, pyarrow) is imported in `main`,
 # so that a worker started by exec is bound to its launcher before it imports them.
 
 # What torchrun's agent imports once before it forks the workers (`detpipe.launch.torchrun.WORKER_START_ENV`).
-WORKER_PRELOAD = ("detpipe.engine.trainer", "detpipe.engine.distributed")
+WORKER_PRELOAD = ("detpipe.engine.trainer", "detpipe.core.distributed")
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Worker (under torchrun): first bind to the launcher (`detpipe.lifeline.die_with_launcher`), then train
+    """Worker (under torchrun): first bind to the launcher (`detpipe.core.lifeline.die_with_launcher`), then train
     (`detpipe.engine.trainer.train`). Otherwise check inputs and launch the workers
     (`detpipe.launch.stage.run_stage`, `detpipe.launch.jobs`)."""
     worker = "LOCAL_RANK" in os.environ  # `detpipe.launch.stage.is_worker`, before anything heavy is imported
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
 
     def work() -> None:
         from detpipe.engine.trainer import train
-        from detpipe.engine.distributed import collective_errors
+        from detpipe.core.distributed import collective_errors
 
         with collective_errors():  # a timed-out collective: one line naming the lost peer, exit status 2
             train(cfg, eval_fn_factory=eval_fn_factory)

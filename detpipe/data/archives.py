@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Optional
 from urllib.parse import unquote, urlsplit
 
-from detpipe.errors import StageError
-from detpipe.files import is_url
+from detpipe.core.errors import StageError
+from detpipe.core.files import is_url
 
 TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz")
 ZIP_SUFFIXES = (".zip",)

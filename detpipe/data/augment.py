@@ -106,13 +106,13 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 
 from detpipe import params as params_mod
-from detpipe.errors import StageError
-from detpipe.pool import bounded_map, process_pool
-from detpipe.files import atomic_dir, atomic_write_json
+from detpipe.core.errors import StageError
+from detpipe.core.pool import bounded_map, process_pool
+from detpipe.core.files import atomic_dir, atomic_write_json
 from detpipe.data.augmentation import process_batch
 from detpipe.data.cache_format import CACHE_FORMAT, INDEX_FILE, SPLITS, ZOOM_OUT_FILL, ShardWriter
 from detpipe.data.meta import arrow_shards, read_meta
-from detpipe.progress import Progress
+from detpipe.core.progress import Progress
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ def build_cache(arrow_dir: Path | str, cache_dir: Path | str, cfg: params_mod.Au
     Returns the ``meta.json`` dict: per split the image and row counts, boxes kept, crowd boxes excluded,
     degenerate boxes dropped, boxes dropped by crops, masks stored, rows without masks, and shard names; plus the
     resize and copy settings and ``masks`` (true when every row has its objects' masks and there is one at least).
-    Progress (images per split) goes to `detpipe.progress.Progress`: a bar on a terminal, a log line every 30 s
+    Progress (images per split) goes to `detpipe.core.progress.Progress`: a bar on a terminal, a log line every 30 s
     elsewhere.
     Raises:
         StageError: missing converted data, an image that cannot be decoded, a malformed segmentation.

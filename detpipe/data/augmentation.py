@@ -15,8 +15,8 @@ from torchvision.transforms import v2 as T
 from torchvision.transforms.v2 import functional as TF
 
 from detpipe import params as params_mod
-from detpipe.boxes import convert
-from detpipe.errors import StageError
+from detpipe.core.boxes import convert
+from detpipe.core.errors import StageError
 from detpipe.data.imageio import decode_rgb
 from detpipe.data.cache_format import ZOOM_OUT_FILL
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
-from detpipe.errors import StageError
+from detpipe.core.errors import StageError
 
 log = logging.getLogger("detpipe.data.cache_format")
 

@@ -28,7 +28,7 @@ import numpy as np
 import orjson
 
 from detpipe.data.coco_schema import check_annotation, check_categories, check_coco, check_image, check_top
-from detpipe.errors import StageError
+from detpipe.core.errors import StageError
 
 # ---------------------------------------------------------------------------------------------- parsing
 

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from detpipe.errors import StageError
+from detpipe.core.errors import StageError
 
 MAX_EXAMPLES = 5
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1

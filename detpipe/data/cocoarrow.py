@@ -30,7 +30,7 @@ from detpipe.data.geometry import orient_box, orient_segmentation
 from detpipe.data.imageio import Unreadable, inspect
 from detpipe.data.label_stats import LabelStats
 from detpipe.data.leaks import PHASH_BITS, LeakCheck, image_key, load_leak_check, nearest_train, train_copy
-from detpipe.errors import StageError
+from detpipe.core.errors import StageError
 
 SCHEMA = pa.schema(
     [

@@ -120,11 +120,11 @@ from detpipe.data.leaks import PHASH_BITS, write_leak_check
 from detpipe.data.imageio import inspect_image, preload_phash
 from detpipe.data.label_stats import LabelStats, write_label_plots
 from detpipe.data import cvat_reader, labelme_reader, translate, voc_reader, yolo_reader
-from detpipe.errors import StageError
-from detpipe.files import atomic_dir
+from detpipe.core.errors import StageError
+from detpipe.core.files import atomic_dir
 from detpipe.params import Convert
-from detpipe.pool import bounded_map, process_pool
-from detpipe.progress import Progress
+from detpipe.core.pool import bounded_map, process_pool
+from detpipe.core.progress import Progress
 
 log = logging.getLogger(__name__)
 
@@ -284,7 +284,7 @@ def convert(raw_root: Path | str, out_dir: Path | str, params: Convert, *, progr
             folder holding ``Annotations/`` and ``JPEGImages/``, see `detpipe.data.voc_reader`).
         out_dir: output folder (replaced atomically: on any error it is left as it was).
         params: the ``convert`` params section.
-        progress: show the progress in images (`detpipe.progress.Progress`: a bar on a terminal, a log line every
+        progress: show the progress in images (`detpipe.core.progress.Progress`: a bar on a terminal, a log line every
             30 s elsewhere).
         label_plots: folder that receives the train split's label statistics as DVC plots
             (`detpipe.data.label_stats`: instances per class, box width, height and aspect-ratio histograms),

@@ -79,7 +79,7 @@ from typing import Iterator
 from detpipe.data.coco_schema import polygon_area
 from detpipe.data.safe_xml import iter_events
 from detpipe.data.translate import CocoWriter, Dataset, Translated, count_finding, displayed_fix, to_stored
-from detpipe.errors import StageError
+from detpipe.core.errors import StageError
 
 log = logging.getLogger(__name__)
 

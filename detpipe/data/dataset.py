@@ -33,8 +33,8 @@ from pycocotools import mask as mask_utils
 from torch.utils.data import DataLoader, Dataset
 from torchvision.io import ImageReadMode, decode_jpeg
 
-from detpipe.files import filesystem as open_filesystem, is_url, redact_url
-from detpipe.errors import StageError
+from detpipe.core.files import filesystem as open_filesystem, is_url, redact_url
+from detpipe.core.errors import StageError
 from detpipe.data.sampler import ResumableDistributedSampler
 from detpipe.data.cache_format import INDEX_FILE
 from detpipe.data.streaming import ShardPrefetcher, wait_for_shard
@@ -120,7 +120,7 @@ class CachedDetectionDataset(Dataset):
     handles on first use.
 
     Args:
-        root: cache root (``data/cache``) or a URL, see `detpipe.files.filesystem`.
+        root: cache root (``data/cache``) or a URL, see `detpipe.core.files.filesystem`.
         split: ``"train"`` or ``"val"``.
         hflip: flip probability in ``[0, 1]``.
         seed: seed of the flips and of the variant choice (``train.seed``).
@@ -646,7 +646,7 @@ class _BatchPlan:
 def _one_line(e: Exception) -> str:
     """A DataLoader worker's re-raised `StageError` carries the worker's traceback: keep its own message."""
     last = str(e).strip().splitlines()[-1] if str(e).strip() else ""
-    prefix = "detpipe.errors.StageError: "
+    prefix = "detpipe.core.errors.StageError: "
     return last[len(prefix):] if last.startswith(prefix) else " ".join(str(e).split())
 
 

@@ -27,7 +27,7 @@ Archives are extracted only if their declared size is at most ``download.max_ext
 free disk space and at most ``download.max_compression_ratio`` times the archive's size (zip bombs); the
 archive's own top-level folder, if any, is kept (``data/raw/<folder>/...``).
 
-The output is written with `detpipe.files.atomic_dir`: on any failure (bad hash, unsafe archive entry,
+The output is written with `detpipe.core.files.atomic_dir`: on any failure (bad hash, unsafe archive entry,
 HTTP error, clashing parts, interrupt) ``data/raw`` keeps its previous content, or stays absent. The reference for
 users: docs/download.md.
 """
@@ -44,10 +44,10 @@ from typing import Optional, Sequence
 from detpipe.data.archives import (MAX_COMPRESSION_RATIO, MAX_EXTRACT_BYTES, archive_kind, check_relpath, extract,
                                    source_name)
 from detpipe.data.fetch import BACKOFF_S, CHUNK_BYTES, fetch
-from detpipe.errors import StageError
-from detpipe.files import atomic_dir, folder_sha256, local_path, redact_url, sha256_file, temp_prefix, url_protocol
+from detpipe.core.errors import StageError
+from detpipe.core.files import atomic_dir, folder_sha256, local_path, redact_url, sha256_file, temp_prefix, url_protocol
 from detpipe.params import Download
-from detpipe.paths import RAW_DIR
+from detpipe.core.paths import RAW_DIR
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ def download(source: str, out: Path | str = RAW_DIR, *, sha256: Optional[str] = 
 
     A folder is copied to ``out``; an archive is fetched to a temporary file beside ``out``, checked and
     extracted into ``out``; another file is copied to ``out/<its name>``. All of it happens in a temporary
-    folder that replaces ``out`` only at the end (`detpipe.files.atomic_dir`), so on any error ``out`` keeps
+    folder that replaces ``out`` only at the end (`detpipe.core.files.atomic_dir`), so on any error ``out`` keeps
     its previous content or stays absent.
 
     Args:

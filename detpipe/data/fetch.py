@@ -2,8 +2,8 @@
 
 Retries use `tenacity` (exponential backoff ``backoff_s * 2**k`` seconds, capped at `MAX_BACKOFF_S`, on transient
 errors only); an interrupted HTTP transfer resumes with ``Range: bytes=N-``. URLs become filesystems in
-`detpipe.files` (`url_protocol`, `fsspec_filesystem`). Credentials in URLs are redacted from every message
-(`detpipe.files.redact_url`). Transfers show their bytes with `detpipe.progress.Progress` (a bar on a terminal, a
+`detpipe.core.files` (`url_protocol`, `fsspec_filesystem`). Credentials in URLs are redacted from every message
+(`detpipe.core.files.redact_url`). Transfers show their bytes with `detpipe.core.progress.Progress` (a bar on a terminal, a
 log line every 30 s elsewhere).
 """
 from __future__ import annotations
@@ -17,9 +17,9 @@ from urllib.parse import urlsplit
 import tenacity
 
 from detpipe.data.archives import check_relpath, source_name
-from detpipe.errors import StageError
-from detpipe.files import fsspec_filesystem, is_url, iter_files, redact_url, url_protocol
-from detpipe.progress import Progress
+from detpipe.core.errors import StageError
+from detpipe.core.files import fsspec_filesystem, is_url, iter_files, redact_url, url_protocol
+from detpipe.core.progress import Progress
 
 log = logging.getLogger("detpipe.data.fetch")
 
@@ -275,7 +275,7 @@ def fetch(source: str, dest: Path | str, *, retries: int = 3, timeout_s: float =
     yet, or for a folder source a folder path that may exist).
 
     HTTP(S) goes through `http_fetch` (Range resume); other fsspec protocols (local, ``file://``, ``s3://``)
-    are read through fsspec (`detpipe.files.fsspec_filesystem`), each file with `with_retries` (transient errors
+    are read through fsspec (`detpipe.core.files.fsspec_filesystem`), each file with `with_retries` (transient errors
     only; local reads are not retried). A folder source is copied file by file (file contents only, not modes
     or times); keys whose relative path is absolute or has ``..`` are refused.
 

@@ -8,7 +8,7 @@ from typing import Any, Sequence
 import numpy as np
 from PIL import Image
 
-from detpipe.boxes import xyxy_to_xywh
+from detpipe.core.boxes import xyxy_to_xywh
 from detpipe.data.imageio import EXIF_TRANSPOSE
 
 

@@ -10,7 +10,7 @@ import re
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from detpipe.errors import StageError
+from detpipe.core.errors import StageError
 
 
 def decode_rgb(data: bytes, source: str = "<bytes>") -> np.ndarray:

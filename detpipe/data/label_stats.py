@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from detpipe.files import atomic_dir, atomic_write_json
+from detpipe.core.files import atomic_dir, atomic_write_json
 
 SIZE_EDGES = 2.0 ** (np.arange(1, 29) / 2)
 """Upper edges of the width/height bins but the last (pixels): see the module docstring."""

@@ -82,10 +82,10 @@ from pathlib import Path
 
 import orjson
 
-from detpipe.boxes import xyxy_to_xywh
+from detpipe.core.boxes import xyxy_to_xywh
 from detpipe.data.coco_schema import polygon_area
 from detpipe.data.translate import CocoWriter, Dataset, Translated, count_finding, displayed_fix, to_stored
-from detpipe.errors import StageError
+from detpipe.core.errors import StageError
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from detpipe.errors import StageError
-from detpipe.files import is_url, join_url, read_url_bytes
+from detpipe.core.errors import StageError
+from detpipe.core.files import is_url, join_url, read_url_bytes
 
 META_FILE = "meta.json"
 
@@ -67,7 +67,7 @@ def read_meta_bytes(path: str | Path, stage: str | None = None) -> bytes:
 
 def read_cache_meta_bytes(root: str) -> bytes:
     """Bytes of the augmentation cache's ``<root>/meta.json``; ``root`` a local folder or a URL (``s3://...``,
-    `detpipe.files.read_url_bytes`).
+    `detpipe.core.files.read_url_bytes`).
     Raises `StageError` naming the location when it cannot be read."""
     if not is_url(root) and not (Path(root) / META_FILE).is_file():
         raise StageError(f"{Path(root) / META_FILE}: not found (run the augment stage first)")

@@ -4,7 +4,7 @@ format.
 The parser is ``defusedxml``'s (a well-kept library) with ``forbid_dtd``, ``forbid_entities`` and
 ``forbid_external``: a document type declaration (``<!DOCTYPE ...>``, where entity declarations, billion-laughs
 expansion and external entities live; neither VOC nor CVAT files carry one) is refused before anything in it is
-declared or fetched. Every failure is one `detpipe.errors.StageError` line naming the file, the parser's line (and
+declared or fetched. Every failure is one `detpipe.core.errors.StageError` line naming the file, the parser's line (and
 column, for malformed XML) and the format's rule.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Iterator
 from defusedxml import DTDForbidden, DefusedXmlException, EntitiesForbidden, ExternalReferenceForbidden
 from defusedxml.ElementTree import DefusedXMLParser
 
-from detpipe.errors import StageError
+from detpipe.core.errors import StageError
 
 
 def iter_events(path: Path, rule: str, events: tuple[str, ...] = ("start", "end")) \

@@ -6,7 +6,7 @@ from typing import Sequence
 
 import numpy as np
 
-from detpipe.errors import StageError
+from detpipe.core.errors import StageError
 
 
 def val_positions(n: int, val_fraction: float, seed: int) -> np.ndarray:

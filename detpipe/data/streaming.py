@@ -46,8 +46,8 @@ from typing import Iterable, Iterator
 import numpy as np
 import pyarrow.fs as pafs
 
-from detpipe.errors import StageError
-from detpipe.files import redact_url
+from detpipe.core.errors import StageError
+from detpipe.core.files import redact_url
 
 log = logging.getLogger("detpipe.data.streaming")
 
@@ -84,7 +84,7 @@ class ShardPrefetcher:
     """Background copier of whole shards from ``fs`` into ``local_dir`` (see the module docstring).
 
     Args:
-        fs: pyarrow filesystem of the remote cache (`detpipe.files.filesystem`).
+        fs: pyarrow filesystem of the remote cache (`detpipe.core.files.filesystem`).
         remote_dir: the split's folder inside ``fs``.
         url: the split's URL (for error messages).
         names: shard file names; shard ids in the plan index this list.

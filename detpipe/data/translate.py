@@ -10,7 +10,7 @@ and:
 - ``detect(raw_root: Path) -> Path | None``: the file that marks the format in ``raw_root`` (for ``format: auto``),
   or None;
 - ``read(raw_root: Path, params: Convert, tmp: Path) -> Dataset``: the translation (COCO files written under
-  ``tmp`` with `CocoWriter`), raising `detpipe.errors.StageError` naming the file and record for malformed input.
+  ``tmp`` with `CocoWriter`), raising `detpipe.core.errors.StageError` naming the file and record for malformed input.
 """
 from __future__ import annotations
 

@@ -93,7 +93,7 @@ from PIL import Image, UnidentifiedImageError
 
 from detpipe.data.safe_xml import parse
 from detpipe.data.translate import CocoWriter, Dataset, Translated, count_finding, image_size
-from detpipe.errors import StageError
+from detpipe.core.errors import StageError
 
 log = logging.getLogger(__name__)
 

@@ -46,11 +46,11 @@ from pathlib import Path
 import yaml
 from PIL import Image, UnidentifiedImageError
 
-from detpipe.boxes import cxcywh_to_xywh
+from detpipe.core.boxes import cxcywh_to_xywh
 from detpipe.data.coco_schema import polygon_area
 from detpipe.data.translate import (CocoWriter, Dataset, Translated, count_finding, image_size, needs_stored_frame,
                                     to_stored)
-from detpipe.errors import StageError
+from detpipe.core.errors import StageError
 
 log = logging.getLogger(__name__)
 

@@ -13,16 +13,16 @@ import numpy as np
 import torch
 
 from detpipe import params as params_mod
-from detpipe.errors import StageError
-from detpipe.model_file import save_torch_atomic
-from detpipe.paths import ARROW_META, CACHE_DIR, CKPT_DIR
-from detpipe.paths import checkpoint_path, list_checkpoints  # noqa: F401  (re-exported: the trainer's names)
+from detpipe.core.errors import StageError
+from detpipe.core.model_file import save_torch_atomic
+from detpipe.core.paths import ARROW_META, CACHE_DIR, CKPT_DIR
+from detpipe.core.paths import checkpoint_path, list_checkpoints  # noqa: F401  (re-exported: the trainer's names)
 
 log = logging.getLogger("detpipe.engine.checkpoints")
 
 FORMAT = 3  # 3: the fingerprint leaves out the schedule keys, stored apart as "schedule" (2: it covered them; the trainer's EventStorage holds the metric rows; 1: MetricsHook did)
 save_atomic = save_torch_atomic
-"""Save a torch object to ``path`` atomically (`detpipe.model_file.save_torch_atomic`)."""
+"""Save a torch object to ``path`` atomically (`detpipe.core.model_file.save_torch_atomic`)."""
 
 
 def rng_state() -> dict:
@@ -53,7 +53,7 @@ def set_rng_state(state: dict) -> None:
 def remove_partial_saves(ckpt_dir: Path | str) -> None:
     """Delete the temporary files (``.ckpt-*.tmp-*``, `save_atomic`) of saves that never finished in ``ckpt_dir``:
     a kill -9 mid-save leaves one, and so can a SIGTERM that lands between the file's creation and the ``try``
-    that removes it on error (`detpipe.files.atomic_open`'s ``mkstemp`` and its context manager's entry: a few
+    that removes it on error (`detpipe.core.files.atomic_open`'s ``mkstemp`` and its context manager's entry: a few
     bytecodes, seen once in ~10 full test runs). Call only where no save of this run is under way."""
     for stale in Path(ckpt_dir).glob(".ckpt-*.tmp-*"):
         stale.unlink(missing_ok=True)

@@ -21,9 +21,9 @@ import torch.distributed as dist
 from torch.optim.lr_scheduler import LambdaLR
 
 from detpipe.engine.checkpoints import checkpoint_path, list_checkpoints, save_atomic
-from detpipe.model_file import save_model_file
+from detpipe.core.model_file import save_model_file
 from detpipe.engine.train_loop import HookBase
-from detpipe.progress import Progress
+from detpipe.core.progress import Progress
 
 log = logging.getLogger("detpipe.engine.hooks")
 
@@ -274,7 +274,7 @@ class MetricsHook(HookBase):
 
 
 class ProgressHook(HookBase):
-    """Progress on rank 0 (`detpipe.progress.Progress`): a tqdm bar on a TTY, else a log line every ``every_s``
+    """Progress on rank 0 (`detpipe.core.progress.Progress`): a tqdm bar on a TTY, else a log line every ``every_s``
     seconds with iteration/total, epoch, loss, lr, images/s and ETA. Reads the trainer's ``iters_per_epoch`` and
     ``images_per_iter``."""
 
@@ -300,7 +300,7 @@ class ProgressHook(HookBase):
 class TrainBatchPlotHook(HookBase):
     """Draws what the model is fed: rank 0's first batch of a fresh run (iteration 0, epoch 0), exactly as the
     loader yielded it to ``run_step`` (``after_load``: after augmentation, before the forward pass), with its
-    boxes (and masks) over the images, tiled into one PNG at ``path`` (`detpipe.engine.batch_plot.draw_batch`),
+    boxes (and masks) over the images, tiled into one PNG at ``path`` (`detpipe.vis.batch_plot.draw_batch`),
     written atomically before the first step runs.
 
     The PNG's bytes are the hook's checkpoint state, so a resumed run, which never sees iteration 0, writes the
@@ -322,14 +322,14 @@ class TrainBatchPlotHook(HookBase):
     def after_load(self, batch: list) -> None:
         if self.trainer.rank != 0 or self.trainer.iter != 0 or self.png is not None:
             return
-        from detpipe.engine.batch_plot import draw_batch
-        from detpipe.evaluation.drawing import encode_png
+        from detpipe.vis.batch_plot import draw_batch
+        from detpipe.vis.drawing import encode_png
 
         self.png = encode_png(draw_batch(batch, self.label_names, self.max_images, self.max_side))
         self._write("the first training batch as the model is fed")
 
     def _write(self, what: str) -> None:
-        from detpipe.files import atomic_write_bytes
+        from detpipe.core.files import atomic_write_bytes
 
         atomic_write_bytes(self.path, self.png)
         log.info("wrote %s (%s)", self.path, what)

@@ -1,7 +1,7 @@
 """The detection trainer: a torchvision detector trained with DDP from the augmentation cache, resumable at any
 point (the train stage's work; `stages.train` launches it).
 
-`build_trainer` sets up the process (distributed group: `detpipe.engine.distributed`; threads, seeds), builds the
+`build_trainer` sets up the process (distributed group: `detpipe.core.distributed`; threads, seeds), builds the
 model (`detpipe.models.build_detector`), optimizer, data and hooks; `train` resumes from a matching checkpoint, runs
 the loop and writes ``models/model.pt``. A checkpoint holds model, optimizer, grad scaler, the event storage (metric
 rows), every hook's state, the iteration (hence the sampler's position in its epoch: `detpipe.engine.elastic`) and
@@ -32,20 +32,20 @@ from detpipe.engine.checkpoints import (FORMAT, find_resume_state, fingerprint, 
 from detpipe.data.dataset import CachedDetectionDataset, ResumableDistributedSampler, micro_batches, uses_masks
 from detpipe.data.train_transforms import TrainTransforms, resize_batch, resolve as resolve_augment, step_size
 from detpipe.data.meta import read_meta, read_meta_bytes
-from detpipe.engine.distributed import setup_distributed
+from detpipe.core.distributed import setup_distributed
 from detpipe.engine.elastic import EpochPlan, record_samples
 from detpipe.engine.train_loop import HookBase, TrainerBase
-from detpipe.errors import Interrupted, StageError, received_signal
+from detpipe.core.errors import Interrupted, StageError, received_signal
 from detpipe.engine.hooks import (CheckpointHook, EMAHook, EvalHook, LRScheduleHook, MetricsHook, ProgressHook,
                                   TrainBatchPlotHook)
 from detpipe.models import build_detector, load_weights
-from detpipe.model_file import load_model_file, save_model_file
+from detpipe.core.model_file import load_model_file, save_model_file
 
 EvalFnFactory = Callable[[str, Path], Callable[[torch.nn.Module], dict]]
 """``(cache_root, arrow_meta) -> eval_fn``; ``eval_fn(model) -> {"AP": ..., ...}`` (`build_trainer`)."""
 from detpipe.study import TrialReporter
 from detpipe.warm_start import is_warm_start, materialise_weights, warm_start_path
-from detpipe.paths import ARROW_META, CACHE_DIR, CKPT_DIR, LIVE_DIR, MODEL as MODEL_OUT, TRAIN_BATCH_PLOT
+from detpipe.core.paths import ARROW_META, CACHE_DIR, CKPT_DIR, LIVE_DIR, MODEL as MODEL_OUT, TRAIN_BATCH_PLOT
 
 log = logging.getLogger("detpipe.engine.trainer")
 

@@ -28,7 +28,7 @@ import numpy as np
 
 from detpipe.data.coco_schema import (COCO_ARRAYS, array_problem, is_crowd_flag, is_finite_number, is_int,
                                       segmentation_area, segmentation_problem, to_rle)
-from detpipe.errors import StageError
+from detpipe.core.errors import StageError
 
 STAT_NAMES = ("AP", "AP50", "AP75", "APs", "APm", "APl", "AR1", "AR10", "AR100", "ARs", "ARm", "ARl")
 """Names of the 12 numbers of ``COCOeval.stats``, in its order (pycocotools ``COCOeval.summarize``)."""

@@ -17,10 +17,10 @@ import torch.nn.functional as F
 from pycocotools import mask as mask_utils
 from torch.utils.data import DataLoader
 
-from detpipe.boxes import convert
+from detpipe.core.boxes import convert
 from detpipe.data.dataset import CachedDetectionDataset, collate
-from detpipe.errors import StageError
-from detpipe.progress import track
+from detpipe.core.errors import StageError
+from detpipe.core.progress import track
 
 MASK_THRESHOLD = 0.5  # mask probability -> binary, as torchvision's references/detection/coco_eval.py
 

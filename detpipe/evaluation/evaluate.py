@@ -19,7 +19,7 @@ standard stats: AP, AP50, AP75, APs, APm, APl, AR1, AR10, AR100, ARs, ARm, ARl),
 ``plots/per_class_ap.json`` (bbox AP per class with ground truth: kept out of the metrics file so experiment tables
 stay narrow); and ``plots/val_images/*.png``: a few val images with predicted (red, score ≥
 ``evaluate.plot_score_threshold``; masks shaded for mask models) and ground-truth (green) boxes
-(`detpipe.evaluation.drawing`).
+(`detpipe.vis.drawing`).
 
 Error analysis (`detpipe.evaluation.error_analysis`, bbox only: for mask models the boxes of the same detections are
 analysed, not the masks), from COCOeval's own matching at IoU 0.5 (its base AP50 must equal COCOeval's): the TIDE
@@ -42,18 +42,18 @@ import torch.distributed as dist
 
 from detpipe import params as params_mod
 from detpipe.evaluation.coco_metrics import coco_evaluate
-from detpipe.errors import StageError
-from detpipe.files import atomic_write_json
+from detpipe.core.errors import StageError
+from detpipe.core.files import atomic_write_json
 from detpipe.data.dataset import CachedDetectionDataset, uses_masks
 from detpipe.data.meta import read_meta
-from detpipe.engine.distributed import setup_distributed
+from detpipe.core.distributed import setup_distributed
 from detpipe.evaluation.detections import detect_dataset, label_to_category_id
 from detpipe.evaluation.error_analysis import analyze_validated, error_metrics
 from detpipe.evaluation.ground_truth import gt_from_arrow
 from detpipe.evaluation.plots import write_plots
 from detpipe.launch.stage import LaunchParams, run_stage
 from detpipe.models import load_model
-from detpipe.paths import ARROW_DIR, CACHE_DIR, METRICS, MODEL, PLOTS
+from detpipe.core.paths import ARROW_DIR, CACHE_DIR, METRICS, MODEL, PLOTS
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 
 from detpipe.data.meta import arrow_shards
-from detpipe.errors import StageError
+from detpipe.core.errors import StageError
 
 
 def gt_from_arrow(split_dir: Path, meta: dict) -> dict:

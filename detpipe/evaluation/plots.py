@@ -12,11 +12,11 @@ import torch
 from detpipe.data.imageio import decode_rgb
 from detpipe.data.meta import arrow_shards
 from detpipe.evaluation.coco_metrics import pr_curve_rows
-from detpipe.evaluation.drawing import add_legend, draw_boxes, draw_masks, encode_png, line_width
+from detpipe.vis.drawing import add_legend, draw_boxes, draw_masks, encode_png, line_width
 from detpipe.evaluation.error_analysis import (SPECIAL_ERRORS, TIDE_ERRORS, ErrorAnalysis, confusion_rows, confusion_table,
                                        worst_images)
-from detpipe.errors import StageError
-from detpipe.files import atomic_dir, atomic_write_bytes, atomic_write_json
+from detpipe.core.errors import StageError
+from detpipe.core.files import atomic_dir, atomic_write_bytes, atomic_write_json
 
 
 def write_plots(plots_dir: Path, result, dets: list[dict], gt: dict, val_dir: Path, num_images: int,
@@ -25,7 +25,7 @@ def write_plots(plots_dir: Path, result, dets: list[dict], gt: dict, val_dir: Pa
     AP@[.5:.95] of the classes with ground truth) and ``val_images/<image_id>.png`` (the first ``num_images``
     val images of the Arrow shards in ``val_dir``, original size, predicted boxes red with score ≥
     ``score_threshold`` and their masks shaded red when detections carry a ``segmentation``, ground truth
-    green, 2 pixels wide: `detpipe.evaluation.drawing`), all replaced atomically.
+    green, 2 pixels wide: `detpipe.vis.drawing`), all replaced atomically.
 
     Args:
         plots_dir: the plots folder (``plots/``).

@@ -117,13 +117,13 @@ class BatchedExport(torch.nn.Module):
 
     def __init__(self, model: torch.nn.Module):
         super().__init__()
-        from detpipe.export.exporter import raw_taps
+        from detpipe.models.family import family_of_model
 
         self.kind = batch_kind(model)
         if self.kind is None:
             raise ValueError(f"{type(model).__name__}: {BATCH_UNSUPPORTED}")
         self.model, self.size = model, input_size(model)
-        self.taps = raw_taps(model)
+        self.taps = list(family_of_model(model).raw_taps(model))   # what exporter.raw_taps returns
         self._captured: list = []
         self._hooks = [model.get_submodule(p).register_forward_hook(lambda m, a, out: self._captured.append(out))
                        for p in self.taps]

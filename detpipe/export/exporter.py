@@ -28,7 +28,7 @@ import torchvision
 from torchvision.ops import box_iou
 
 from detpipe.data.meta import read_meta
-from detpipe.files import folder_sha256
+from detpipe.core.files import folder_sha256
 
 SCORE_TOL = 1e-5
 BOX_TOL = 0.01  # pixels
@@ -587,7 +587,7 @@ def _model_card_template() -> jinja2.Template:
 
 def model_card(ckpt: dict, report: dict, arrow_dir: Path, metrics_path: Path) -> str:
     """Markdown model card, rendered from `MODEL_CARD_TEMPLATE` (Jinja2): dataset hash (manifest sha256 of the
-    Arrow shards, `detpipe.files.folder_sha256`), training params, COCO metrics (if ``metrics_path`` exists), the
+    Arrow shards, `detpipe.core.files.folder_sha256`), training params, COCO metrics (if ``metrics_path`` exists), the
     input/output spec of each exported file, the parity figures and minimal snippets to run the files.
 
     Args:
@@ -599,7 +599,7 @@ def model_card(ckpt: dict, report: dict, arrow_dir: Path, metrics_path: Path) ->
     Returns:
         The card's markdown text, ending with one newline.
     Raises:
-        detpipe.errors.StageError: ``arrow_dir/meta.json`` missing or not JSON (`detpipe.data.meta.read_meta`).
+        detpipe.core.errors.StageError: ``arrow_dir/meta.json`` missing or not JSON (`detpipe.data.meta.read_meta`).
         OSError: ``arrow_dir`` or ``metrics_path`` unreadable.
         jinja2.UndefinedError: ``ckpt``, ``report`` or ``meta.json`` lacks a key the card shows.
     """

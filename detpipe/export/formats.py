@@ -19,7 +19,7 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from detpipe.errors import StageError
+from detpipe.core.errors import StageError
 
 OPENVINO_CONFIG = {"INFERENCE_PRECISION_HINT": "f32"}
 # The network's op types that int8 quantization covers (the QDQ pairs onnxruntime fuses into QLinearConv etc.);

@@ -25,7 +25,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from detpipe.errors import StageError
+from detpipe.core.errors import StageError
 
 log = logging.getLogger(__name__)
 def float_layers(onnx_model, layer_names: list[str]) -> list[str]:

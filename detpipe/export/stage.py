@@ -43,15 +43,15 @@ import torch
 
 from detpipe import params as params_mod
 from detpipe.data.dataset import CachedDetectionDataset, uses_masks
-from detpipe.errors import StageError
+from detpipe.core.errors import StageError
 from detpipe.export.batched import BATCH_UNSUPPORTED, batch_kind, input_size
 from detpipe.export.exporter import (TORCH_EXPORT_UNSUPPORTED, DetectionExport, export_onnx, export_onnx_batched,
                                      export_program, export_torchscript, model_card, parity, split_outputs, torch_export_supported)
 from detpipe.export.formats import (accuracy_gate, calibration_images, coco_ap, export_openvino, quantize_int8,
                                     val_results, score_head_nodes)
-from detpipe.files import atomic_dir, atomic_write_bytes, atomic_write_json, temp_prefix
+from detpipe.core.files import atomic_dir, atomic_write_bytes, atomic_write_json, temp_prefix
 from detpipe.models import load_model
-from detpipe.paths import ARROW_DIR, CACHE_DIR, EXPORT_METRICS, METRICS, MODEL, MODELS_DIR
+from detpipe.core.paths import ARROW_DIR, CACHE_DIR, EXPORT_METRICS, METRICS, MODEL, MODELS_DIR
 
 log = logging.getLogger(__name__)
 FILES = {"torch_export": "torch_export/model.pt2", "onnx": "model.onnx", "torchscript": "torchscript/model.ts",
@@ -118,7 +118,7 @@ def export(cfg: params_mod.Export, model_path: Path = MODEL, cache_dir: Path = C
     if not kind:
         log.warning("models/model.onnx takes one image per call: %s", BATCH_UNSUPPORTED)
 
-    # named by the temporary-name rule, so that `detpipe.ops.repair` removes what a killed export left
+    # named by the temporary-name rule, so that `detpipe.orchestration.repair` removes what a killed export left
     staging = Path(out_dir) / f"{temp_prefix(Path(out_dir) / 'export')}{os.getpid()}"
     with atomic_dir(staging) as tmp:
         for folder in FOLDERS:

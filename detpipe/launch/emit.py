@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from detpipe.errors import run_program
+from detpipe.core.errors import run_program
 from detpipe.launch.jobs import launch_args, slurm_job
 from detpipe.launch.torchrun import launch_env
 from detpipe.params import Train, load
@@ -35,7 +35,7 @@ def write_job(cfg: Train, kind: str, out: Path | str | None = None) -> None:
     """`emit` ``kind``'s job description to the file ``out`` (written atomically), or to stdout when None."""
     text = emit(cfg, kind)
     if out:
-        from detpipe.files import atomic_write_bytes
+        from detpipe.core.files import atomic_write_bytes
 
         atomic_write_bytes(out, text.encode())
     else:

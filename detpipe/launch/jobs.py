@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from detpipe.errors import StageError
+from detpipe.core.errors import StageError
 from detpipe.launch.stage import LaunchParams
 from detpipe.launch.torchrun import default_run_id, launch_env, launch_local, torchrun_args
 
@@ -35,11 +35,11 @@ def check_inputs(cfg: Train) -> None:
     Raises:
         StageError: one line naming the setting or file and the problem.
     """
-    from detpipe.files import is_url
+    from detpipe.core.files import is_url
     from detpipe.models import build_detector
     from detpipe.models.hf_weights import check_hub_offline, is_hub_id
     from detpipe.warm_start import is_warm_start, materialise_weights, warm_start_path
-    from detpipe.paths import CKPT_DIR
+    from detpipe.core.paths import CKPT_DIR
 
     build_detector(cfg, device="meta")
     if is_warm_start(cfg.weights):  # copied before any worker starts (a fresh start deletes checkpoints)

@@ -21,15 +21,15 @@ import logging
 
 import yaml
 
-from detpipe.errors import StageError
+from detpipe.core.errors import StageError
 from detpipe.launch.torchrun import AGENT_MODULE, parse_nnodes
-from detpipe.paths import CKPT_DIR, LIVE_DIR, MODELS_DIR
+from detpipe.core.paths import CKPT_DIR, LIVE_DIR, MODELS_DIR
 
 log = logging.getLogger("detpipe.launch.k8s")
 
 WORKDIR = "/workspace"  # where the image holds the repository (the Dockerfile's WORKDIR)
 SHARED_DIRS = (CKPT_DIR.as_posix(), MODELS_DIR.as_posix(), LIVE_DIR.as_posix())
-"""The train stage's outputs (detpipe.paths), each mounted from the subPath of the same name of ``train.k8s_pvc``."""
+"""The train stage's outputs (detpipe.core.paths), each mounted from the subPath of the same name of ``train.k8s_pvc``."""
 VOLUME = "shared"  # the pod's name for the claim's volume
 GPU_RESOURCE = "nvidia.com/gpu"  # the extended resource of NVIDIA's Kubernetes device plugin
 

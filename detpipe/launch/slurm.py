@@ -23,8 +23,8 @@ import sys
 import time
 from pathlib import Path
 
-from detpipe.errors import Interrupted, StageError
-from detpipe.files import atomic_write_bytes
+from detpipe.core.errors import Interrupted, StageError
+from detpipe.core.files import atomic_write_bytes
 from detpipe.launch.torchrun import AGENT_MODULE, parse_nnodes
 
 log = logging.getLogger("detpipe.launch.slurm")
@@ -127,7 +127,7 @@ def run_job(script_text: str, workdir: Path, poll_s: float = 1.0) -> None:
 
     Raises:
         StageError: sbatch failed; the job ended in another state (its state, exit code and log are named).
-        Interrupted: SIGTERM/SIGINT stopped this process; the job was cancelled first (`detpipe.errors.run_program`
+        Interrupted: SIGTERM/SIGINT stopped this process; the job was cancelled first (`detpipe.core.errors.run_program`
             then exits with 128 + signal).
     """
     logs = Path(workdir).resolve() / LOG_DIR

@@ -41,10 +41,10 @@ from typing import Iterator
 
 import psutil
 
-from detpipe.errors import StageError
-from detpipe.net import bind_listener  # noqa: F401  (the agent's store sockets; public here for the tests)
-from detpipe.lifeline import LAUNCHER_PID_ENV, PR_SET_NAME, die_with_launcher, prctl
-from detpipe.worker_env import COLLECTIVE_TIMEOUT_ENV
+from detpipe.core.errors import StageError
+from detpipe.core.net import bind_listener  # noqa: F401  (the agent's store sockets; public here for the tests)
+from detpipe.core.lifeline import LAUNCHER_PID_ENV, PR_SET_NAME, die_with_launcher, prctl
+from detpipe.core.worker_env import COLLECTIVE_TIMEOUT_ENV
 
 log = logging.getLogger("detpipe.launch.torchrun")
 
@@ -287,7 +287,7 @@ def run_forked_worker(module: str, *script_args: str) -> None:
 
     First it names itself (`worker_name`: what ``ps`` shows), takes a session of its own as torchrun's ``exec``
     workers have (a signal to the launcher's process group, a terminal's Ctrl-C, does not reach the workers: the
-    agent stops them) and binds itself to the launcher's life (`detpipe.lifeline.die_with_launcher`). Then the
+    agent stops them) and binds itself to the launcher's life (`detpipe.core.lifeline.die_with_launcher`). Then the
     agent's state that a new interpreter would not have is reset: its signal handlers and wakeup fd (torchrun's
     agent turns SIGTERM into an exception), its ``atexit`` functions (the worker runs its own at the end: a forked
     process leaves through ``os._exit``), stdout/stderr line-buffered (the agent sets ``PYTHONUNBUFFERED`` for
@@ -327,7 +327,7 @@ def run_forked_worker(module: str, *script_args: str) -> None:
 
 
 def set_process_name(name: str) -> None:
-    """Set this process's name (``prctl(PR_SET_NAME)``, `detpipe.lifeline.prctl`; cut to 15 bytes); nothing outside
+    """Set this process's name (``prctl(PR_SET_NAME)``, `detpipe.core.lifeline.prctl`; cut to 15 bytes); nothing outside
     Linux."""
     prctl(PR_SET_NAME, name.encode()[:15])
 
@@ -342,8 +342,8 @@ def _preload(module: str) -> None:
 def run_torchrun(argv: list[str], env: dict[str, str] | None = None,
                  ready: dict[int, socket.socket] | None = None) -> None:
     """Run ``torchrun <argv>`` in this process (the elastic agent), with ``env`` added to the environment the
-    workers inherit, and ``$DETPIPE_LAUNCHER_PID`` (`detpipe.lifeline.LAUNCHER_PID_ENV`) set to this process's
-    pid: the workers' parent, whose death kills them (`detpipe.lifeline.die_with_launcher`); loopback stores
+    workers inherit, and ``$DETPIPE_LAUNCHER_PID`` (`detpipe.core.lifeline.LAUNCHER_PID_ENV`) set to this process's
+    pid: the workers' parent, whose death kills them (`detpipe.core.lifeline.die_with_launcher`); loopback stores
     bound to 127.0.0.1 only and restarted nodes able to rejoin (`agent_fixes`). The workers are forked from this
     process or started as new interpreters (`WORKER_START_ENV`; ``argv`` must end in ``-m <module> [args]``
     for ``fork``). A failed job becomes a one-line `StageError` naming the first failed rank and its exit code
@@ -476,8 +476,8 @@ def main(argv: list[str] | None = None) -> None:
     arguments completed for this node (`node_args`, with ``$GLOO_SOCKET_IFNAME``, which the script exports from
     ``train.socket_ifname``), a store at an IP address listening on that address only, restarted nodes able to
     rejoin (`agent_fixes`), the workers bound to this process's life, and a failed job as one ``error: ...``
-    line with exit status 2 (`detpipe.errors.run_program`)."""
-    from detpipe.errors import run_program
+    line with exit status 2 (`detpipe.core.errors.run_program`)."""
+    from detpipe.core.errors import run_program
 
     raw = sys.argv[1:] if argv is None else argv
     run_program(lambda: run_torchrun(node_args(raw, os.environ.get("GLOO_SOCKET_IFNAME"))), stage="train")

@@ -23,10 +23,10 @@ from torch import nn
 from detpipe.models.family import Family, family_of, family_of_model  # noqa: F401  (public here)
 from detpipe.models import hf_weights  # noqa: F401  (imported first: records the user's HF_HUB_OFFLINE)
 
-from detpipe.errors import StageError
-from detpipe.files import is_url, read_url_bytes
-from detpipe.model_file import load_model_file
-from detpipe.paths import ARROW_META, CACHE_DIR, MODEL
+from detpipe.core.errors import StageError
+from detpipe.core.files import is_url, read_url_bytes
+from detpipe.core.model_file import load_model_file
+from detpipe.core.paths import ARROW_META, CACHE_DIR, MODEL
 
 if TYPE_CHECKING:
     from detpipe.params import Train

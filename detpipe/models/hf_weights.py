@@ -7,7 +7,7 @@ The tensors are read by transformers' own ``from_pretrained`` into a model of th
 classes (``class_embed``, ``enc_score_head``, ``denoising_class_embed``) is re-initialised and logged; any other
 difference (missing, unexpected or differently shaped tensors) means another architecture and is refused.
 
-Pinning: ``train.weights_sha256`` is the folder-manifest digest of the download stage (`detpipe.files.folder_sha256`,
+Pinning: ``train.weights_sha256`` is the folder-manifest digest of the download stage (`detpipe.core.files.folder_sha256`,
 ``python -m stages.download --print-sha256 <folder>``) for a folder or a hub snapshot, the file's sha256 for a file.
 """
 from __future__ import annotations
@@ -21,8 +21,8 @@ from pathlib import Path
 
 from torch import nn
 
-from detpipe.errors import StageError
-from detpipe.files import folder_sha256, is_url, read_url_bytes
+from detpipe.core.errors import StageError
+from detpipe.core.files import folder_sha256, is_url, read_url_bytes
 
 log = logging.getLogger("detpipe.models")
 

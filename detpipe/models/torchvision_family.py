@@ -12,7 +12,7 @@ import torch
 import torchvision
 from torch import nn
 
-from detpipe.errors import StageError
+from detpipe.core.errors import StageError
 from detpipe.models.family import Family, register
 
 

@@ -20,8 +20,8 @@ import os
 import torch
 from torch import nn
 
-from detpipe.boxes import convert
-from detpipe.errors import StageError
+from detpipe.core.boxes import convert
+from detpipe.core.errors import StageError
 from detpipe.models.family import Family, register
 
 # name -> (architecture, config overrides of the architecture's defaults, backbone config overrides). The

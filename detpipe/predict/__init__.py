@@ -15,7 +15,7 @@ runtime at float32) or ``models/model.pt`` (``--model models/model.pt``: the tra
 batched); `detpipe.predict.runners.load_runner`. Every format gives the same outputs. Boxes come back in the prepared image's pixels and are mapped to the original image's pixels
 with the cache's rule ``orig = prepared / scale`` and turned into COCO results by
 `detpipe.evaluation.detections.image_detections` (the evaluate stage's own mapping), labels to the dataset's COCO
-category ids and names with ``data/arrow/meta.json``; boxes are drawn by `detpipe.evaluation.drawing`.
+category ids and names with ``data/arrow/meta.json``; boxes are drawn by `detpipe.vis.drawing`.
 
 Writes into ``--out`` (default ``predictions/``):
 
@@ -27,7 +27,7 @@ Writes into ``--out`` (default ``predictions/``):
 * ``report.json``: counts, the skipped files with the reason, the images (``id``, ``file_name``, ``width``,
   ``height``: a COCO ``images`` list), the runtime, seconds and images/s.
 
-Each output is replaced atomically (`detpipe.files.atomic_dir`, `detpipe.files.atomic_write_json`): an
+Each output is replaced atomically (`detpipe.core.files.atomic_dir`, `detpipe.core.files.atomic_write_json`): an
 interrupted run leaves the previous outputs as they were. A file that cannot be read or decoded (corrupt, not an
 image) is skipped, counted and named in the log and in ``report.json``; a missing model, missing data meta files
 or a source with no files is a one-line error (exit status 2).
@@ -52,15 +52,15 @@ import time
 from pathlib import Path
 
 from detpipe import params as params_mod
-from detpipe.errors import StageError
+from detpipe.core.errors import StageError
 from detpipe.evaluation.detections import image_detections, label_to_category_id
-from detpipe.evaluation.drawing import draw_boxes, line_width
-from detpipe.files import atomic_dir, atomic_write_json, redact_url
-from detpipe.pool import bounded_map
+from detpipe.vis.drawing import draw_boxes, line_width
+from detpipe.core.files import atomic_dir, atomic_write_json, redact_url
+from detpipe.core.pool import bounded_map
 from detpipe.predict.preprocess import PREPROCESS_KEYS, Prepared, data_meta, prepare, preprocess_config
 from detpipe.predict.runners import Runner, load_runner
 from detpipe.predict.sources import SourceFile, list_sources
-from detpipe.progress import Progress
+from detpipe.core.progress import Progress
 
 __all__ = ["BATCH_SIZE", "DEFAULT_DATA", "DEFAULT_MODEL", "DEFAULT_OUT", "PREPROCESS_KEYS", "SCORE_THRESHOLD",
            "Predictor", "Prepared", "Runner", "SourceFile", "data_meta", "list_sources", "load_predictor",
@@ -141,7 +141,7 @@ def load_predictor(model_path: Path | str = DEFAULT_MODEL, data_dir: Path | str 
 
 def _drawn(prep: Prepared, results: list[dict]) -> bytes:
     """The original image with ``results``' boxes (original pixels) and ``category_name score`` labels drawn
-    (`detpipe.evaluation.drawing.draw_boxes`, red, `detpipe.evaluation.drawing.line_width`), as JPEG bytes
+    (`detpipe.vis.drawing.draw_boxes`, red, `detpipe.vis.drawing.line_width`), as JPEG bytes
     (quality 90)."""
     from torchvision.io import encode_jpeg
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from detpipe.errors import run_program
+from detpipe.core.errors import run_program
 from detpipe.predict import BATCH_SIZE, DEFAULT_DATA, DEFAULT_MODEL, DEFAULT_OUT, SCORE_THRESHOLD, predict
 
 

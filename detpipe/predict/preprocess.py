@@ -12,7 +12,7 @@ from detpipe.data.augmentation import encode_pixels, resize_pixels, target_size
 from detpipe.data.dataset import decode_images
 from detpipe.data.imageio import decode_rgb
 from detpipe.data.meta import read_meta
-from detpipe.errors import StageError
+from detpipe.core.errors import StageError
 
 PREPROCESS_KEYS = ("resize", "size", "min_size", "max_size", "upscale", "encoding", "jpeg_quality")
 

@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from detpipe.errors import StageError
+from detpipe.core.errors import StageError
 
 Runner = Callable[[list[torch.Tensor]], list[dict]]
 

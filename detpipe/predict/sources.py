@@ -4,8 +4,8 @@ from __future__ import annotations
 import dataclasses
 import posixpath
 
-from detpipe.errors import StageError
-from detpipe.files import fsspec_filesystem, is_url, read_url_bytes, redact_url, url_protocol
+from detpipe.core.errors import StageError
+from detpipe.core.files import fsspec_filesystem, is_url, read_url_bytes, redact_url, url_protocol
 
 _GLOB_CHARS = "*?["
 
@@ -14,7 +14,7 @@ _GLOB_CHARS = "*?["
 class SourceFile:
     """One listed input: ``file_name`` (POSIX path relative to the source's folder, as written to the outputs),
     ``location`` (what to read: a local path, a URL, or a path inside ``fs``), ``fs`` (fsspec filesystem, or None
-    to read ``location`` with `detpipe.files.read_url_bytes`)."""
+    to read ``location`` with `detpipe.core.files.read_url_bytes`)."""
 
     file_name: str
     location: str
@@ -31,7 +31,7 @@ def list_sources(source: str, endpoint_url: str | None = None) -> list[SourceFil
     Args:
         source: a local file, folder (its files, not its subfolders), or glob; an ``http(s)://`` URL (one file);
             an ``s3://`` or other fsspec URL of a file, prefix (folder) or glob.
-        endpoint_url: S3-compatible endpoint for ``s3://`` sources (`detpipe.files.fsspec_filesystem`).
+        endpoint_url: S3-compatible endpoint for ``s3://`` sources (`detpipe.core.files.fsspec_filesystem`).
     Returns:
         the files (may include non-images: they are skipped, counted, when decoded).
     Raises:

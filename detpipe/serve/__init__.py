@@ -54,7 +54,7 @@ import socket
 import warnings
 from pathlib import Path
 
-from detpipe.errors import StageError
+from detpipe.core.errors import StageError
 
 log = logging.getLogger("detpipe.serve")
 
@@ -114,7 +114,7 @@ def listen_socket(host: str, port: int) -> socket.socket:
     Raises:
         StageError: the address cannot be bound (in use, not local, no permission), naming it.
     """
-    from detpipe.net import bind_listener
+    from detpipe.core.net import bind_listener
 
     try:
         return bind_listener(host, port, backlog=None)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from detpipe.errors import run_program
+from detpipe.core.errors import run_program
 from detpipe.serve import (DEFAULT_DATA, DEFAULT_HOST, DEFAULT_MODEL, DEFAULT_PORT, GRACEFUL_TIMEOUT_S, MAX_CONNECTIONS,
                            MAX_WAITING, Limits, serve)
 

@@ -31,7 +31,7 @@ from starlette.routing import Route
 
 from detpipe import params as params_mod
 from detpipe.data.augmentation import target_size
-from detpipe.errors import StageError
+from detpipe.core.errors import StageError
 from detpipe.predict import Predictor, prepare
 from detpipe.serve import Limits
 from detpipe.serve.batcher import Batcher, QueueFull

@@ -25,7 +25,7 @@ from detpipe import params as params_mod
 from detpipe.data.augmentation import process_image, target_size
 from detpipe.data.cache_format import INDEX_FILE, ZOOM_OUT_FILL
 from detpipe.data.augment import build_cache
-from detpipe.errors import StageError
+from detpipe.core.errors import StageError
 from detpipe.data.dataset import CachedDetectionDataset
 
 
@@ -322,7 +322,7 @@ def test_stage_cli_logs_progress_without_a_terminal(cached_workdir, tmp_path):
     meta = json.loads((tmp_path / "data/arrow/meta.json").read_text())
     for split in ("train", "val"):
         n = meta["splits"][split]["images"]
-        line = f"detpipe.progress INFO augment {split}: image {n}/{n}, "
+        line = f"detpipe.core.progress INFO augment {split}: image {n}/{n}, "
         assert line in proc.stderr and "images/s" in proc.stderr.split(line, 1)[1].splitlines()[0], proc.stderr
 
 

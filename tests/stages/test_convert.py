@@ -19,7 +19,7 @@ import pytest
 from PIL import Image, ImageDraw
 from pycocotools import mask as mask_utils
 
-from detpipe.errors import StageError
+from detpipe.core.errors import StageError
 from detpipe.data import coco_json
 from detpipe.data.coco_json import load_json, read_coco
 from detpipe.data.coco_schema import RULES, check_coco

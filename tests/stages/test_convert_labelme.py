@@ -17,7 +17,7 @@ import pytest
 
 from detpipe.data import labelme_reader
 from detpipe.data.convert import convert
-from detpipe.errors import StageError
+from detpipe.core.errors import StageError
 from detpipe.params import Convert
 from support import formats
 from support.formats import COCO, N_TRAIN, N_VAL, REPO, coco_copy

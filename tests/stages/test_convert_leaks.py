@@ -14,7 +14,7 @@ from PIL import Image
 
 from detpipe.data import imageio
 from detpipe.data.convert import convert
-from detpipe.errors import StageError
+from detpipe.core.errors import StageError
 from detpipe.params import Convert, load
 from support.pipeline import read_rows
 

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from detpipe.data.convert import convert
-from detpipe.errors import StageError
+from detpipe.core.errors import StageError
 from detpipe.params import Convert
 from support import formats
 from support.formats import ANN, COCO, N_TRAIN, N_VAL, REPO, coco_copy

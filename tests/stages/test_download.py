@@ -22,10 +22,10 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from detpipe.errors import StageError
+from detpipe.core.errors import StageError
 from detpipe.data.archives import extract
 from detpipe.data.fetch import fetch, http_fetch
-from detpipe.files import folder_sha256
+from detpipe.core.files import folder_sha256
 from detpipe.data.download import download, download_parts, download_raw
 from detpipe.params import Download, DownloadPart, load
 from support.pipeline import write_params
@@ -233,10 +233,10 @@ def test_http_resumes_with_range_after_a_cut(tmp_path, http_server, behaviour, c
     t0 = time.monotonic()
     timeout = 0.5 if behaviour == "stall" else 5
     monkeypatch.setattr(sys, "stderr", io.StringIO())      # no terminal: progress goes to the log
-    with caplog.at_level(logging.INFO, logger="detpipe.progress"):
+    with caplog.at_level(logging.INFO, logger="detpipe.core.progress"):
         download(f"{http_server.url}/{behaviour}/coco.tar.gz", tmp_path / "raw", sha256=_sha(data),
                  retries=3, timeout_s=timeout, backoff_s=0.05)
-    progress = [r.getMessage() for r in caplog.records if r.name == "detpipe.progress"]
+    progress = [r.getMessage() for r in caplog.records if r.name == "detpipe.core.progress"]
     # the resumed attempt counts on from the bytes kept and logs its end: all of the file's bytes
     assert progress and re.fullmatch(r"coco\.tar\.gz: ([\d.]+ (?:[KMG]i)?B)/\1, [\d.]+ (?:[KMG]i)?B/s", progress[-1]), \
         progress

@@ -13,7 +13,7 @@ import torch
 
 from support.pipeline import set_params, stage_cli
 from detpipe.data.dataset import CachedDetectionDataset, collate
-from detpipe.errors import StageError
+from detpipe.core.errors import StageError
 from detpipe.export.batched import session_runner
 from detpipe.export.exporter import (DetectionExport, compare_raw, export_onnx, match_detections, split_outputs,
                                      summarize_detections)

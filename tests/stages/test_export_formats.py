@@ -22,7 +22,7 @@ import torch
 from torchvision.ops import box_iou
 
 from detpipe.data.dataset import CachedDetectionDataset
-from detpipe.errors import StageError
+from detpipe.core.errors import StageError
 from detpipe.export.batched import session_runner
 from detpipe.export.exporter import compare_raw, match_detections, split_outputs
 from detpipe.export.formats import openvino_runner

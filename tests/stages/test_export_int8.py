@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from detpipe.data.dataset import CachedDetectionDataset
-from detpipe.errors import StageError
+from detpipe.core.errors import StageError
 from detpipe.params import Export
 from support.procs import in_child as _in_child
 

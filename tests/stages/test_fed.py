@@ -16,7 +16,7 @@ import yaml
 from PIL import ImageColor
 
 from detpipe.data.dataset import CachedDetectionDataset, ResumableDistributedSampler, micro_batches
-from detpipe.engine.batch_plot import class_color, grid_layout
+from detpipe.vis.batch_plot import class_color, grid_layout
 
 
 def _arrow_rows(split_dir: Path) -> list[dict]:
@@ -187,7 +187,7 @@ def test_flipped_sample_box_follows_its_object(trained_workdir):
 
 def test_masks_shaded_in_class_colour(cached_workdir):
     """Mask models: each instance mask is shaded in its class colour (opacity 0.4) under the boxes."""
-    from detpipe.engine.batch_plot import draw_batch
+    from detpipe.vis.batch_plot import draw_batch
 
     ds = CachedDetectionDataset(cached_workdir / "data/cache", "train", with_masks=True)
     image, target = ds[0]

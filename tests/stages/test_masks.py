@@ -18,7 +18,7 @@ from support.pipeline import make_coco_subset, recalibrated_model, stage_cli, wr
 from detpipe import params as params_mod
 from detpipe.data.augment import build_cache
 from detpipe.evaluation.coco_metrics import coco_evaluate
-from detpipe.errors import StageError
+from detpipe.core.errors import StageError
 from detpipe.data.dataset import CachedDetectionDataset, collate, uses_masks
 from detpipe.data.meta import read_meta
 from detpipe.evaluation.detections import masks_to_rles

@@ -30,7 +30,7 @@ from torchvision.ops import box_iou
 from detpipe import params as params_mod
 from detpipe.data.dataset import uses_masks
 from detpipe.data.imageio import decode_rgb
-from detpipe.errors import StageError
+from detpipe.core.errors import StageError
 from detpipe.export.batched import session_runner
 from detpipe.export.exporter import DetectionExport, parity, split_outputs
 from detpipe.models import load_model

@@ -28,9 +28,9 @@ from detpipe import params as params_mod
 from detpipe.data.dataset import CachedDetectionDataset, ResumableDistributedSampler, micro_batches
 from detpipe.engine.elastic import EpochPlan
 from detpipe.data.streaming import START_DEPTH, ShardPrefetcher, wait_for_shard
-from detpipe.errors import StageError
+from detpipe.core.errors import StageError
 from detpipe.data.augment import build_cache
-from detpipe.files import filesystem
+from detpipe.core.files import filesystem
 
 SHARD_MB = 0.05  # ~2-3 JPEG images of 320x320 per shard: many shards from 12 images
 

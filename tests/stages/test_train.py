@@ -23,7 +23,7 @@ from support.pipeline import (LEARNS_DETR, assert_same_training_state, checkpoin
                               kill9_training_after, stage_cli, stage_in_background, write_params)
 from support.procs import run, stage_env
 
-from detpipe.errors import StageError
+from detpipe.core.errors import StageError
 from detpipe.models import build_from_config, load_weights
 from detpipe.warm_start import materialise_weights
 
@@ -170,8 +170,8 @@ def test_kill9_resume_with_mosaic_and_mixup_is_bit_identical(cached_workdir, tmp
     from detpipe import params as params_mod
     from detpipe.data.dataset import CachedDetectionDataset, ResumableDistributedSampler, micro_batches
     from detpipe.data.train_transforms import TrainTransforms, resolve
-    from detpipe.engine.batch_plot import draw_batch
-    from detpipe.evaluation.drawing import encode_png
+    from detpipe.vis.batch_plot import draw_batch
+    from detpipe.vis.drawing import encode_png
 
     overrides = {"train": {"epochs": 3, "checkpoint_every": 1, "keep_last": 10, "augment": "yolo", "mixup": 0.5,
                            "close_mosaic": 1}}
@@ -388,7 +388,7 @@ def test_unknown_model_is_one_line_error(cached_workdir, tmp_path):
 
 def test_local_weights_path(trained_workdir, tmp_path):
     """train.weights: a local state_dict file initialises the model (checked by its sha256)."""
-    from detpipe.files import sha256_file
+    from detpipe.core.files import sha256_file
     from detpipe.models import build_from_config, load_weights
 
     ckpt = torch.load(trained_workdir / "models/model.pt", weights_only=True)
@@ -399,7 +399,7 @@ def test_local_weights_path(trained_workdir, tmp_path):
     assert out["loaded"] == len(ckpt["model"]) and out["skipped"] == []
     for k, v in model.state_dict().items():
         assert torch.equal(v, ckpt["model"][k])
-    from detpipe.errors import StageError
+    from detpipe.core.errors import StageError
     with pytest.raises(StageError, match="sha256"):
         load_weights(model, str(path), "0" * 64)
 

@@ -13,7 +13,7 @@ import torch
 
 from support.pipeline import checkpoints, stage_cli, write_params
 from detpipe.engine.train_loop import HookBase
-from detpipe.errors import StageError
+from detpipe.core.errors import StageError
 from detpipe.data.dataset import CachedDetectionDataset, collate
 from detpipe.models import build_from_config, load_weights, model_config
 from detpipe.models import model_kwargs

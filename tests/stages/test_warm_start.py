@@ -12,7 +12,7 @@ import torch
 
 from support.pipeline import checkpoints, set_params, stage_cli
 from support.repos import clone_with_cache
-from detpipe.errors import StageError
+from detpipe.core.errors import StageError
 from detpipe.models import build_from_config, load_weights
 from detpipe.warm_start import materialise_weights
 

@@ -36,7 +36,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
-from detpipe.files import atomic_write_bytes
+from detpipe.core.files import atomic_write_bytes
 from support import procs
 
 

@@ -15,7 +15,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Iterator
 
-from detpipe.ops.deployments import ZOMBIE_ENV
+from detpipe.orchestration.deployments import ZOMBIE_ENV
 from support.procs import REPO, free_port, stage_env, stop_group
 
 HEARTBEAT_S = 30       # Prefect's minimum

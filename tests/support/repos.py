@@ -33,7 +33,7 @@ def make_repo(dest: Path, train: dict | None = None, export: dict | None = None)
     ``train`` and ``export`` params updated; export writes ONNX only unless ``export`` says otherwise
     (``export.torch_export: false``: torch.export is most of the stage's time, and tests/stages/test_export.py and
     the ``reproduced_repo`` fixture check it)."""
-    from detpipe.files import folder_sha256
+    from detpipe.core.files import folder_sha256
 
     work = copy_repo(dest)
     write_params(work, {"download": {"sha256": folder_sha256(work / "data" / "coco128")}, "train": train or {},

@@ -22,7 +22,7 @@ def learns_repo(dest: Path, train: dict | None = None, search: dict | None = Non
     learns params (one thread, `SEARCH_ITERATIONS` iterations, evaluated and checkpointed every
     `SEARCH_EVAL_EVERY`), export ONNX only, ``train`` and ``search`` merged in; ``dvc repro augment`` done and
     committed."""
-    from detpipe.files import folder_sha256
+    from detpipe.core.files import folder_sha256
 
     repo = copy_repo(dest, n_images=1)
     work = dest.parent / (dest.name + "-learns")

@@ -85,8 +85,8 @@ def test_non_finite_losses_stop_training(cached_workdir, tmp_path):
 # all-reduces until stopped, printing "step N" after each.
 PEER = """
 import sys, torch, torch.distributed as dist
-from detpipe.errors import run_program
-from detpipe.engine.distributed import collective_errors, setup_distributed
+from detpipe.core.errors import run_program
+from detpipe.core.distributed import collective_errors, setup_distributed
 
 def main():
     setup_distributed()
@@ -152,7 +152,7 @@ def frozen_peers(tmp_path_factory) -> dict:
     freeze); the bound each waits is the timeout + the roll call + `FROZEN_SLACK_S`."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from detpipe.engine.distributed import ROLL_CALL_S
+    from detpipe.core.distributed import ROLL_CALL_S
 
     bound = FROZEN_TIMEOUT_S + min(ROLL_CALL_S, FROZEN_TIMEOUT_S) + FROZEN_SLACK_S
     with ThreadPoolExecutor(2) as pool:
@@ -198,7 +198,7 @@ def test_a_timeout_seen_as_pair_closure_is_named_a_timeout():
 
     import torch.distributed as dist
 
-    from detpipe.engine.distributed import _timed_out
+    from detpipe.core.distributed import _timed_out
 
     store, errors, done = dist.HashStore(), {}, threading.Event()
 

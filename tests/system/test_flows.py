@@ -32,11 +32,11 @@ from support.repos import flow_repo, snapshot
 import yaml
 
 from detpipe import params as params_mod
-from detpipe.ops.overrides import OverrideError
-from detpipe.ops.overrides import apply as apply_overrides
-from detpipe.ops.overrides import json_schema as overrides_schema
-from detpipe.ops.overrides import normalize as normalize_overrides
-from detpipe.ops.overrides import parse as parse_overrides
+from detpipe.orchestration.overrides import OverrideError
+from detpipe.orchestration.overrides import apply as apply_overrides
+from detpipe.orchestration.overrides import json_schema as overrides_schema
+from detpipe.orchestration.overrides import normalize as normalize_overrides
+from detpipe.orchestration.overrides import parse as parse_overrides
 
 # ---------------------------------------------------------------------------------------------- fast tests
 
@@ -108,7 +108,7 @@ def test_deployment_schema_covers_every_param():
 def test_heartbeat_and_crash_thresholds_are_settings(monkeypatch):
     """Crash detection's two intervals come from the environment (documented defaults 30 s / 90 s); a
     heartbeat below Prefect's minimum or a threshold that a live run's next heartbeat could miss is refused."""
-    from detpipe.ops import deployments
+    from detpipe.orchestration import deployments
 
     monkeypatch.delenv(deployments.HEARTBEAT_ENV, raising=False)
     monkeypatch.delenv(deployments.ZOMBIE_ENV, raising=False)

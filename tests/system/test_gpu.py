@@ -185,7 +185,7 @@ def _run_train(work: Path):
 
 def test_one_gpu_job(cached_workdir, tmp_path):
     """``nproc_per_node: 1`` on a GPU machine: the torchrun job's one worker trains on cuda:0. With one process
-    the product makes no process group (`detpipe.engine.distributed.setup_distributed` initializes one only for
+    the product makes no process group (`detpipe.core.distributed.setup_distributed` initializes one only for
     world size > 1), so no NCCL communicator is created: a 1-GPU job is a plain single-GPU run."""
     work = elastic_workdir(cached_workdir, tmp_path / "w", {"nproc_per_node": 1, "epochs": 1})
     proc = _run_train(work)

@@ -1,7 +1,7 @@
 """A ``kill -9`` of the train stage's process group leaves no torchrun worker behind, whenever it comes.
 
 torchrun starts each worker in a session of its own, so a killed group (``dvc repro``'s, a terminal's) does not
-reach the workers: only their binding to the launcher (`detpipe.lifeline.die_with_launcher`) ends them. Each case
+reach the workers: only their binding to the launcher (`detpipe.core.lifeline.die_with_launcher`) ends them. Each case
 starts ``python -m stages.train`` as a group leader (as ``dvc repro`` would be), SIGKILLs the group at one moment
 of the workers' start-up, and asserts that within a few seconds no process of the run is left and that nothing is
 written into ``checkpoints/`` or ``models/`` after the kill. A fast test shows the race those kills may hit, made
@@ -129,7 +129,7 @@ def test_kill9_of_stage_group_leaves_no_worker(cached_workdir, tmp_path, moment,
                 p.kill()
 
 
-# A child subreaper (as `detpipe.ops.processes.guard` is: an orphan's parent pid is then not 1) forks a launcher, which
+# A child subreaper (as `detpipe.orchestration.processes.guard` is: an orphan's parent pid is then not 1) forks a launcher, which
 # starts one worker as torchrun does (own session, ``LOCAL_RANK`` and ``$DETPIPE_LAUNCHER_PID`` set) and exits
 # before or after the worker binds itself (argv[1]: "before" / "after"). The worker, reparented to the subreaper,
 # is reaped there, which prints its exit status (-9: SIGKILL), or "alive" if it still runs 10 s later.
@@ -138,7 +138,7 @@ import os, sys, time
 mode, out = sys.argv[1:3]
 while mode == "before" and os.getppid() == int(os.environ["DETPIPE_LAUNCHER_PID"]):
     time.sleep(0.01)  # bind only once the launcher has died
-from detpipe.lifeline import die_with_launcher
+from detpipe.core.lifeline import die_with_launcher
 die_with_launcher()
 open(out, "a").write("bound")
 time.sleep(60)
@@ -170,7 +170,7 @@ print("alive")
 
 @pytest.mark.parametrize("launcher_dies", ["before", "after"])
 def test_worker_dies_with_launcher_even_one_that_died_before_it_bound(tmp_path, launcher_dies):
-    """`detpipe.lifeline.die_with_launcher` under a subreaper: a worker whose launcher died ``before`` the call
+    """`detpipe.core.lifeline.die_with_launcher` under a subreaper: a worker whose launcher died ``before`` the call
     (its parent pid is the subreaper's now, not 1) is SIGKILLed in the call; one whose launcher dies ``after``
     it, by the kernel."""
     out = tmp_path / "out"

@@ -1,10 +1,10 @@
-"""`detpipe.ops.remotes.push_partial` while the training writes and prunes checkpoints (a race measured in CI: the
+"""`detpipe.orchestration.remotes.push_partial` while the training writes and prunes checkpoints (a race measured in CI: the
 checkpoints were listed before the snapshot worktree existed, all of them were pruned meanwhile, and a partial
 experiment with an empty ``checkpoints/`` was pushed as "finished stages").
 
 Everything is real: a git+DVC repository in a temporary folder with a ``train`` stage like the project's (outputs
 ``models/model.pt`` and ``checkpoints``, a dependency recorded only in ``dvc.lock``), a local-folder DVC remote,
-a bare git repository as ``origin``, `detpipe.ops.remotes.check` giving the `Remotes`. A thread plays
+a bare git repository as ``origin``, `detpipe.orchestration.remotes.check` giving the `Remotes`. A thread plays
 `detpipe.engine.hooks.CheckpointHook` at its most aggressive: a checkpoint every couple of milliseconds (temporary file
 + ``os.replace``), all but the newest deleted at once (``keep_last`` 1). Each checkpoint's bytes name it, so a
 pushed file is checked to be the one its name says.
@@ -25,8 +25,8 @@ import pytest
 import yaml
 
 from detpipe.engine.checkpoints import checkpoint_path, list_checkpoints
-from detpipe.ops import remotes as rm
-from detpipe.ops import workspace
+from detpipe.orchestration import remotes as rm
+from detpipe.orchestration import workspace
 from support.procs import run as run_cmd
 
 REPO = Path(__file__).resolve().parents[2]
@@ -291,7 +291,7 @@ def push_race_team(tmp_path_factory):
                      "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@localhost",
                      "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@localhost",
                      "GIT_CONFIG_NOSYSTEM": "1", "GIT_TERMINAL_PROMPT": "0",
-                     # python -m detpipe.ops.commit_partial in the snapshot worktree; `python` in dvc.yaml commands
+                     # python -m detpipe.orchestration.commit_partial in the snapshot worktree; `python` in dvc.yaml commands
                      "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
                      "PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")}.items():
             mp.setenv(k, v)

@@ -221,7 +221,7 @@ def _wait_for_checkpoint(proc: subprocess.Popen, work: Path, after: int, timeout
 
 @pytest.mark.slow
 def test_interrupted_training_resumes_in_another_clone(s3_team):
-    """A's training is killed after a checkpoint; `python -m detpipe.ops.commit_partial train` + `dvc push` share the
+    """A's training is killed after a checkpoint; `python -m detpipe.orchestration.commit_partial train` + `dvc push` share the
     checkpoints; clone B2 pulls them and `dvc repro` resumes where A stopped."""
     a2 = clone(s3_team, "A2")
     run(["dvc", "pull"], a2, env=s3_team.env)
@@ -242,7 +242,7 @@ def test_interrupted_training_resumes_in_another_clone(s3_team):
     newest = max(checkpoint_iterations(a2))
     assert max(pulled) < newest < 8
 
-    partial = run([sys.executable, "-m", "detpipe.ops.commit_partial", "train"], a2)
+    partial = run([sys.executable, "-m", "detpipe.orchestration.commit_partial", "train"], a2)
     assert "recorded checkpoints" in partial.stdout and "models/model.pt" in partial.stdout
     status = run(["dvc", "status", "train"], a2).stdout
     assert "models/model.pt" in status                                  # the stage is not up to date

@@ -1,7 +1,7 @@
-"""A repository no kill can break: `python -m detpipe.ops.repair repair` after ``kill -9`` of ``dvc repro`` at any moment.
+"""A repository no kill can break: `python -m detpipe.orchestration.repair repair` after ``kill -9`` of ``dvc repro`` at any moment.
 
 Runs on a tiny real DVC pipeline (a copy per test): ``gen`` writes 600 files into ``out/`` through
-``detpipe.files.atomic_dir`` from 300 listed source files and param ``n``; ``count`` reads ``out/``. With 300 deps
+``detpipe.core.files.atomic_dir`` from 300 listed source files and param ``n``; ``count`` reads ``out/``. With 300 deps
 DVC's dvc.lock is ~30 kB and its rwlock ~25 kB, so their in-place rewrites (treeverse/dvc#7615) take long
 enough for a kill to land inside them, as it does on the real pipeline (issue 14: 10 of 36 kills).
 """
@@ -22,7 +22,7 @@ import pytest
 import yaml
 from support.procs import REPO, run, stage_env
 
-from detpipe.ops import repair as detrepo
+from detpipe.orchestration import repair as detrepo
 
 DVC = str(Path(sys.executable).parent / "dvc")
 N_FILES = 600
@@ -30,7 +30,7 @@ N_DEPS = 300
 
 GEN = f"""\
 import yaml
-from detpipe.files import atomic_dir
+from detpipe.core.files import atomic_dir
 
 n = yaml.safe_load(open("params.yaml"))["n"]
 with atomic_dir("out") as tmp:
@@ -159,7 +159,7 @@ def test_kill_anywhere_then_repair(work):
     """``kill -9`` of ``dvc repro`` at moments spread over its writes (rwlock rewrites, the checkout of
     ``out/`` from the cache or the stage writing it, dvc.lock's rewrite, plus random times), for cached
     params (DVC checks ``out`` out of its cache) and new ones (the stage runs): after each kill,
-    ``python -m detpipe.ops.repair repair`` and a plain ``dvc repro`` must succeed with no manual step. The kills
+    ``python -m detpipe.orchestration.repair repair`` and a plain ``dvc repro`` must succeed with no manual step. The kills
     must leave DVC broken at least once (checked with DVC's own readers and a failing ``dvc status``), or the
     test proves nothing."""
     rng = random.Random(14)
@@ -178,7 +178,7 @@ def test_kill_anywhere_then_repair(work):
                 stuck = run([DVC, "status"], work, check=False)
                 assert stuck.returncode != 0 and ("RWLock" in stuck.stderr or "dvc.lock" in stuck.stderr), stuck
             broken.append(damage)
-        repaired = run([sys.executable, "-m", "detpipe.ops.repair", "repair"], work)
+        repaired = run([sys.executable, "-m", "detpipe.orchestration.repair", "repair"], work)
         log.append(f"trial {trial} n={n} {what}: {damage or 'readable'}; repair: {repaired.stderr.strip()[-300:]}")
         assert _dvc_broken(work) is None, log[-1]
         _assert_reproduced(work, n, status=False)
@@ -293,10 +293,10 @@ def test_repair_tells_a_reused_pid_from_the_dvc_that_wrote_the_rwlock(work, rwlo
 
 
 def test_repair_finds_every_stage_temporary_by_the_one_rule(tmp_path):
-    """The temporaries the stages leave when killed follow `detpipe.files.TEMP_NAME`, so `stage_temporaries`
+    """The temporaries the stages leave when killed follow `detpipe.core.files.TEMP_NAME`, so `stage_temporaries`
     finds them: an atomic output's ``.<name>.tmp-*``, a replaced output's ``.<name>.old-<pid>``, download's
     ``.raw.fetch-*`` and export's staging folder (which repair never found while it was ``.export-staging``)."""
-    from detpipe.files import temp_prefix
+    from detpipe.core.files import temp_prefix
 
     shutil.copyfile(REPO / "dvc.yaml", tmp_path / "dvc.yaml")
     left = [tmp_path / "models" / f"{temp_prefix(tmp_path / 'models' / 'export')}4242",

@@ -116,7 +116,7 @@ def _in_workspace(ws) -> list[psutil.Process]:
 # every SEARCH8_CKPT (so the search is killed after a checkpoint of trial 1 and before its first report). The
 # sampler is Optuna's RandomSampler, seeded: its lrs do not depend on the trials' results, so every machine draws the
 # same 8: lr 0.046 and 0.0069 for trials 0-1 (seed 98), then 0.0052 0.00025 0.0013 0.17 1.1e-05 4.1e-05 (the resumed
-# search's seed 98 + its 2 trials, `detpipe.ops.search.load_study`). The seed was chosen for a first trial near the
+# search's seed 98 + its 2 trials, `detpipe.orchestration.search.load_study`). The seed was chosen for a first trial near the
 # learns test's lr (a draw in 0.035-0.07 comes first for 10 of the first 300 seeds): with one startup trial, that
 # trial alone sets the median the others are pruned against. TPE's draws after its startup trials would follow the AP
 # values, which differ in their last digits between machines.

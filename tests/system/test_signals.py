@@ -54,7 +54,7 @@ def test_download_interrupted_mid_fetch(tmp_path, stalling_server, sig):
 
 PROBE = """
 import signal, socket, sys, threading, time
-from detpipe.errors import run_program
+from detpipe.core.errors import run_program
 
 
 def main():
@@ -78,7 +78,7 @@ run_program(main, stage="probe")
 def test_signal_delivered_to_another_thread_still_stops_the_stage(tmp_path):
     """A SIGTERM that the kernel delivers to another thread (numpy, pyarrow and torch start threads) while the
     main thread blocks in a socket read with a long timeout: the stage still stops within seconds with the one
-    line and status 143 (before `detpipe.errors` sent it on to the main thread it waited out the read's 120 s:
+    line and status 143 (before `detpipe.core.errors` sent it on to the main thread it waited out the read's 120 s:
     the download test above timed out so once in a full run)."""
     proc = subprocess.run([sys.executable, "-c", PROBE], cwd=tmp_path, env=stage_env(), capture_output=True,
                           text=True, timeout=60)
@@ -90,8 +90,8 @@ def test_signal_delivered_to_another_thread_still_stops_the_stage(tmp_path):
 SECOND_SIGNAL = """
 import os, signal, sys
 from pathlib import Path
-from detpipe.errors import Interrupted, run_program
-from detpipe.files import atomic_open
+from detpipe.core.errors import Interrupted, run_program
+from detpipe.core.files import atomic_open
 
 
 def main():

@@ -1,12 +1,12 @@
 """Workers anywhere: runs of a ``--source`` deployment on a Prefect ``process`` work pool pull their inputs from
-and push their results to the team's remotes (`detpipe.ops.remotes`).
+and push their results to the team's remotes (`detpipe.orchestration.remotes`).
 
 The slow tests stand up what a team has: a bare git repository as ``origin``, SeaweedFS as the DVC remote
 (``tests/support/s3server.py``), the session's Prefect server, a ``process`` work pool with two workers started
 from different directories, and ``train/team`` registered with ``python -m flows.serve --work-pool gpu --source
 <origin> --name team`` (``train/main`` is the checkout's deployment served by tests/system/test_flows.py).
 Every run happens in the temporary clone a worker makes and deletes; what is left afterwards is only what was
-pushed. Fast tests check `detpipe.ops.remotes.check` on small local repositories.
+pushed. Fast tests check `detpipe.orchestration.remotes.check` on small local repositories.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from support.prefect import Prefect, run_id
 from support.procs import free_ports, run as sh, stop_group
 from support.repos import make_repo
 
-from detpipe.ops import remotes as rm
+from detpipe.orchestration import remotes as rm
 
 TRAIN = {"epochs": 10, "checkpoint_every": 1}      # 20 iterations: room to kill the run after a pushed checkpoint
 A_OVERRIDES = {"train.lr": 0.02}

@@ -1,4 +1,4 @@
-"""`detpipe.boxes`: every box conversion is torchvision's ``box_convert`` (the scalar helpers of the per-object
+"""`detpipe.core.boxes`: every box conversion is torchvision's ``box_convert`` (the scalar helpers of the per-object
 readers equal it exactly in float64), and drawing takes a model's XYXY boxes as they are."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 from torchvision.ops import box_convert
 from torchvision.utils import draw_bounding_boxes
 
-from detpipe.boxes import convert, cxcywh_to_xywh, xyxy_to_xywh
-from detpipe.evaluation.drawing import draw_boxes
+from detpipe.core.boxes import convert, cxcywh_to_xywh, xyxy_to_xywh
+from detpipe.vis.drawing import draw_boxes
 
 
 def _random_boxes(n: int = 500) -> torch.Tensor:

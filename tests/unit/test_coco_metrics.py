@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from pycocotools import mask as mask_utils
 
-from detpipe.errors import StageError
+from detpipe.core.errors import StageError
 from detpipe.evaluation.coco_metrics import BACKENDS, STAT_NAMES, CocoResult, coco_evaluate, pr_curve_rows
 
 REF = Path(__file__).resolve().parents[1] / "data" / "coco_eval_reference"

@@ -18,8 +18,8 @@ from torchvision import tv_tensors
 from torchvision.transforms.v2 import functional as TF
 
 from detpipe import params as params_mod
-from detpipe.errors import StageError
-from detpipe.files import filesystem as open_filesystem
+from detpipe.core.errors import StageError
+from detpipe.core.files import filesystem as open_filesystem
 from detpipe.data.dataset import CachedDetectionDataset, ResumableDistributedSampler, collate, micro_batches
 from detpipe.data.augment import build_cache
 from detpipe.engine.elastic import EpochPlan

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from detpipe.errors import StageError
+from detpipe.core.errors import StageError
 from detpipe.evaluation.coco_metrics import BACKENDS, coco_evaluate
 from detpipe.evaluation.error_analysis import SPECIAL_ERRORS, TIDE_ERRORS, analyze, confusion_rows, worst_images
 from support.tide_reference import comparable_detections, ours_points, tidecv_points

@@ -6,7 +6,7 @@ import shlex
 import pytest
 
 from detpipe import params as params_mod
-from detpipe.errors import StageError
+from detpipe.core.errors import StageError
 from detpipe.models import optimizer_recipe
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from detpipe.data.download import print_sha256
-from detpipe.errors import StageError
+from detpipe.core.errors import StageError
 from detpipe.models import build_model, hf_weights, load_weights
 from detpipe.models.transformers_family import hf_config
 

@@ -19,7 +19,7 @@ import jsonschema
 import pytest
 import yaml
 
-from detpipe.errors import StageError
+from detpipe.core.errors import StageError
 from detpipe.launch import k8s
 from detpipe.launch.emit import emit
 from detpipe.params import Train
@@ -192,8 +192,8 @@ def test_the_claim_is_mounted_at_the_outputs_of_the_train_stage():
     for path, m in mounts.items():
         assert m["name"] == k8s.VOLUME and m["subPath"] == path.rsplit("/", 1)[1] and not m.get("readOnly")
     assert container["workingDir"] == k8s.WORKDIR == "/workspace"
-    # the folders the train stage writes (detpipe.paths; dvc.yaml's outs) are the ones mounted
-    from detpipe.paths import CKPT_DIR, LIVE_DIR, MODEL
+    # the folders the train stage writes (detpipe.core.paths; dvc.yaml's outs) are the ones mounted
+    from detpipe.core.paths import CKPT_DIR, LIVE_DIR, MODEL
     assert {CKPT_DIR.as_posix(), LIVE_DIR.as_posix(), MODEL.parent.as_posix()} == {m["subPath"] for m in mounts.values()}
     text = emit(Train(nnodes="2:4", k8s_pvc=PVC), "k8s")
     assert text.startswith("# Written by") and f"PersistentVolumeClaim {PVC}" in text.split("\n", 2)[1]

@@ -34,7 +34,7 @@ def test_launcher_and_workers_import_nothing_from_each_other():
     """The two sides of the train stage's process boundary: `detpipe/launch/` (the launcher: torchrun's agent,
     Slurm, Kubernetes, the input check) imports no module of `detpipe/engine/` (what runs in every worker), and
     `detpipe/engine/` none of `detpipe/launch/` -- directly or through another project module, at the top or inside
-    a function (what they share lives beside both: `detpipe.models`, `detpipe.params`, `detpipe.worker_env`)."""
+    a function (what they share lives beside both: `detpipe.models`, `detpipe.params`, `detpipe.core.worker_env`)."""
     sides = {"launch": "detpipe.engine", "engine": "detpipe.launch"}
     for side, forbidden in sides.items():
         for f in sorted((ROOT / "detpipe" / side).glob("*.py")):
@@ -77,14 +77,14 @@ def test_the_trainer_imports_no_evaluation_code():
     `detpipe.evaluation`, directly or through another module."""
     for f in ("detpipe/engine/trainer.py", "detpipe/engine/hooks.py", "detpipe/engine/train_loop.py"):
         crossed = sorted(m for m in code_closure(ROOT / f) if m.startswith("detpipe/evaluation/")
-                         and m != "detpipe/evaluation/drawing.py" and m != "detpipe/evaluation/__init__.py")
+                         and m != "detpipe/vis/drawing.py" and m != "detpipe/evaluation/__init__.py")
         assert not crossed, f"{f} imports {crossed}"
     assert "detpipe/evaluation/periodic.py" in code_closure(ROOT / "stages/train.py")
 
 
 def test_one_helper_per_concern():
-    """Each of these is done in one module only: PNG encoding (`detpipe.evaluation.drawing.encode_png`), server
-    sockets (`detpipe.net.bind_listener`), saving a torch file (`detpipe.model_file`), box conversions (torchvision's ``box_convert`` through `detpipe.boxes`)."""
+    """Each of these is done in one module only: PNG encoding (`detpipe.vis.drawing.encode_png`), server
+    sockets (`detpipe.core.net.bind_listener`), saving a torch file (`detpipe.core.model_file`), box conversions (torchvision's ``box_convert`` through `detpipe.core.boxes`)."""
     rules = {"torchvision.io import encode_png": {"drawing.py"}, "setsockopt(": {"net.py"}, "torch.save(": {"model_file.py"},
              "import box_convert": {"boxes.py"}}
     for needle, allowed in rules.items():

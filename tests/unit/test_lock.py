@@ -1,6 +1,6 @@
 """Lock file honesty: the committed dvc.lock matches the committed code, params and metrics.
 
-``dvc status`` on a fresh clone of the commit under test (``detpipe.ops.repair.lock_mismatches``): a stage whose code,
+``dvc status`` on a fresh clone of the commit under test (``detpipe.orchestration.repair.lock_mismatches``): a stage whose code,
 params or committed outputs differ from what dvc.lock records fails CI with the fix to apply. The same check on a
 tiny pipeline shows it passing when dvc.lock matches and failing when a stage's code, a param or a committed
 metric changes without ``dvc repro``.
@@ -14,7 +14,7 @@ import pytest
 import yaml
 from support.procs import run
 
-from detpipe.ops.repair import lock_mismatches
+from detpipe.orchestration.repair import lock_mismatches
 
 REPO = Path(__file__).resolve().parents[2]
 DVC = str(Path(sys.executable).parent / "dvc")

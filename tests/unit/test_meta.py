@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from detpipe.data import meta as meta_mod
-from detpipe.errors import StageError
+from detpipe.core.errors import StageError
 
 
 def test_meta_json_is_read_once_and_again_when_it_changes(tmp_path, monkeypatch):

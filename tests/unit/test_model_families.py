@@ -13,7 +13,7 @@ import torch
 import torch.multiprocessing as mp
 
 from detpipe.data.dataset import uses_masks
-from detpipe.errors import StageError
+from detpipe.core.errors import StageError
 from detpipe.export.exporter import raw_taps, torch_export_supported
 from detpipe.models import build_model, family_of, family_of_model, model_kwargs, optimizer_recipe
 from detpipe.models.transformers_family import CONFIGS, PAPER_PARAMS_M, postprocess

@@ -1,12 +1,12 @@
-"""`detpipe.net.bind_listener`: the one server-socket helper (torchrun's store, the model server)."""
+"""`detpipe.core.net.bind_listener`: the one server-socket helper (torchrun's store, the model server)."""
 from __future__ import annotations
 
 import socket
 
 import pytest
 
-from detpipe.errors import StageError
-from detpipe.net import bind_listener
+from detpipe.core.errors import StageError
+from detpipe.core.net import bind_listener
 
 
 def test_listener_binds_listens_and_refuses_a_taken_port():

@@ -6,7 +6,7 @@ import pytest
 from ruamel.yaml import YAML
 
 from detpipe import params as params_mod
-from detpipe.errors import StageError
+from detpipe.core.errors import StageError
 from support.procs import REPO
 
 
@@ -48,7 +48,7 @@ def test_other_search_keys_are_checked_like_any_param(tmp_path):
 def test_a_good_space_is_sampled_within_its_bounds(tmp_path):
     import optuna
 
-    from detpipe.ops.search import suggest
+    from detpipe.orchestration.search import suggest
 
     cfg = params_mod.load("search", _write(tmp_path, {"space": {
         "train.lr": "loguniform 1e-5 1", "train.weight_decay": "uniform 0 0.001", "train.epochs": "choice 4 8 16",
@@ -77,7 +77,7 @@ def test_the_cli_refuses_bad_settings_in_one_line(capsys, args, says):
 
 
 def test_claims_never_share_a_trial_and_take_over_only_dead_owners(tmp_path):
-    """`detpipe.ops.search.claim` on a journal-file study: two live searches get distinct trials and together no more
+    """`detpipe.orchestration.search.claim` on a journal-file study: two live searches get distinct trials and together no more
     than ``n_trials``; a RUNNING trial whose owner process has exited is taken over with its params; a FINISHED one
     never is."""
     import subprocess
@@ -85,7 +85,7 @@ def test_claims_never_share_a_trial_and_take_over_only_dead_owners(tmp_path):
 
     from optuna.trial import TrialState
 
-    from detpipe.ops import search as search_ops
+    from detpipe.orchestration import search as search_ops
 
     cfg = params_mod.load("search", _write(tmp_path, {"study": "claims", "n_trials": 3, "storage": "s.journal",
                                                       "space": {"train.lr": "loguniform 1e-5 1"}}))
@@ -108,7 +108,7 @@ def test_claims_never_share_a_trial_and_take_over_only_dead_owners(tmp_path):
 def test_parallel_lanes_draw_different_params(tmp_path):
     """Two lanes of one search load the study at the same moment: their samplers are seeded apart (by lane), so
     their first trials do not repeat each other's params (found by a 2-lane search that ran lr 0.0125 twice)."""
-    from detpipe.ops import search as search_ops
+    from detpipe.orchestration import search as search_ops
 
     cfg = params_mod.load("search", _write(tmp_path, {"study": "lanes", "n_trials": 4, "storage": "s.journal",
                                                       "space": {"train.lr": "loguniform 1e-5 1"}}))

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from detpipe.errors import StageError
+from detpipe.core.errors import StageError
 from detpipe.serve.app import fetch_experiment_model
 from support.procs import run
 

@@ -18,7 +18,7 @@ from detpipe import params as params_mod
 from detpipe.data import train_transforms as tt
 from detpipe.data.dataset import CachedDetectionDataset, ResumableDistributedSampler, micro_batches
 from detpipe.engine.elastic import EpochPlan
-from detpipe.errors import StageError
+from detpipe.core.errors import StageError
 
 SEED = 5
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from detpipe.errors import StageError
+from detpipe.core.errors import StageError
 from detpipe.engine.checkpoints import rng_state, set_rng_state
 from detpipe.engine.hooks import lr_factor
 from detpipe.params import Train
@@ -241,10 +241,10 @@ def test_progress_lines_without_a_tty(caplog):
     import re
     import time
 
-    from detpipe.progress import Progress
+    from detpipe.core.progress import Progress
 
     p = Progress(4, "train", every_s=1.0, initial=1, tty=False)
-    with caplog.at_level(logging.INFO, logger="detpipe.progress"):
+    with caplog.at_level(logging.INFO, logger="detpipe.core.progress"):
         p.update(1, images=8, epoch="1/2", loss=1.23456, lr=0.01)  # too soon after the start: no line
         time.sleep(1.1)
         p.update(1, images=8, epoch="2/2", loss=0.5, lr=0.005)

@@ -104,7 +104,7 @@ def _signal_of(e: BaseException) -> int | None:
 
 
 def run_program(main: Callable[[], None], stage: str | None = None) -> None:
-    """Run ``main`` (a stage's, or a tool's such as ``python -m detpipe.ops.repair``) as a program: configure
+    """Run ``main`` (a stage's, or a tool's such as ``python -m detpipe.orchestration.repair``) as a program: configure
     logging, turn `StageError` into a one-line ``error: ...``
     on stderr and exit status 2, and SIGTERM/SIGINT into one line ``error: interrupted by SIGTERM ...`` and exit
     status 128 + signal (no traceback). Other exceptions propagate (bugs).

@@ -6,7 +6,7 @@ deletes afterwards; opt-in for others) keeps nothing only locally:
 
 * `check` first: both remotes configured and reachable, else one-line `RemoteError` within seconds;
 * `find_experiment`: an experiment of the run's name already on ``origin`` (an earlier attempt of this flow run,
-  maybe on another worker) is fetched and the workspace starts from it (`detpipe.ops.workspace.isolated`);
+  maybe on another worker) is fetched and the workspace starts from it (`detpipe.orchestration.workspace.isolated`);
 * every stage runs as ``dvc repro --single-item <stage> --pull`` (DVC fetches missing inputs, and restores a
   stage another run already computed from the remote run-cache instead of running it), then `push_stage`
   uploads its outputs and run-cache entry;
@@ -16,8 +16,8 @@ deletes afterwards; opt-in for others) keeps nothing only locally:
   with ``dvc exp push`` (flows/train.py). ``dvc exp pull origin <name>`` then brings any of them into a clone.
 
 A partial experiment is an ordinary DVC experiment commit (parent: the run's baseline commit; its ref is
-`detpipe.ops.experiments.experiment_ref`, where a finished run's ``dvc exp save`` puts it) whose ``dvc.lock``
-records the finished stages and, for an unfinished training, ``checkpoints/`` (`detpipe.ops.commit_partial`:
+`detpipe.orchestration.experiments.experiment_ref`, where a finished run's ``dvc exp save`` puts it) whose ``dvc.lock``
+records the finished stages and, for an unfinished training, ``checkpoints/`` (`detpipe.orchestration.commit_partial`:
 ``models/model.pt`` without a hash, so DVC sees the stage as not done). It is made in a second worktree from
 hard links to the finished checkpoint files, so the running training is never paused or touched. The finished
 run's push (`push_experiment`) replaces it.
@@ -34,9 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from detpipe.errors import StageError
-from detpipe.ops import experiments
-from detpipe.ops.processes import dvc, git, run_logged
+from detpipe.core.errors import StageError
+from detpipe.orchestration import experiments
+from detpipe.orchestration.processes import dvc, git, run_logged
 
 GIT_REMOTE = "origin"
 SYNC_ENV = "DETPIPE_SYNC"      # "1" in a ``--source`` deployment's job environment: its runs always sync
@@ -178,7 +178,7 @@ def _owner(run_id: str) -> str:
 
 def push_stage(ws: Path, stage: str, logger) -> None:
     """Upload stage ``stage``'s outputs and the run-cache (``dvc push --run-cache <stage>``).
-    Raises `detpipe.ops.processes.CommandError`."""
+    Raises `detpipe.orchestration.processes.CommandError`."""
     run_logged(dvc("push", "--run-cache", stage), ws, logger)
 
 
@@ -187,7 +187,7 @@ def push_experiment(ws: Path, ref: str, remotes: Remotes, logger) -> None:
     and the run-cache to the DVC remote, then the ref to the git remote (replacing a partial one).
 
     What ``dvc exp push --force --run-cache`` does, but with git's own push: DVC's (dulwich) cannot push from
-    the shallow clone a Prefect worker makes (``git clone --depth 1``). Raises `detpipe.ops.processes.CommandError`."""
+    the shallow clone a Prefect worker makes (``git clone --depth 1``). Raises `detpipe.orchestration.processes.CommandError`."""
     run_logged(dvc("push", "--run-cache"), ws, logger)
     run_logged(["git", "push", "-q", "--force", remotes.git, f"{ref}:{ref}"], ws, logger)
     logger.info("pushed experiment %s to %s (data on DVC remote %s)", ref, remotes.git_url, remotes.dvc_url)
@@ -241,7 +241,7 @@ def link_checkpoints(src_dir: Path, dest_dir: Path, attempts: int = LINK_ATTEMPT
 def push_partial(ws: Path, run: Run, logger, training: bool = True) -> str | None:
     """Push the state of workspace ``ws`` as (partial) experiment ``run.name``: its ``dvc.lock`` and params and,
     with ``training`` (the train stage has not finished), the checkpoint files written so far, committed with
-    `detpipe.ops.commit_partial` in a second worktree ``<ws>.push`` (hard links; ``ws`` is not touched, so this is
+    `detpipe.orchestration.commit_partial` in a second worktree ``<ws>.push`` (hard links; ``ws`` is not touched, so this is
     safe while training runs). Outputs go to the DVC remote, the commit to the git remote (forced).
 
     The checkpoints are listed and linked (`link_checkpoints`) once the worktree exists, not before: creating it
@@ -253,12 +253,12 @@ def push_partial(ws: Path, run: Run, logger, training: bool = True) -> str | Non
     Raises:
         CheckpointsVanished: ``training``, and every checkpoint file vanished before it could be linked (see
             `link_checkpoints`); nothing was pushed, the experiment on the remotes is left as it was.
-        detpipe.ops.processes.CommandError: a DVC or git command failed.
+        detpipe.orchestration.processes.CommandError: a DVC or git command failed.
     """
     ckpt_dir = ws / "checkpoints"
     if (training and not _checkpoint_files(ckpt_dir)) or not (ws / "dvc.lock").is_file():
         return None
-    from detpipe.ops.workspace import add_worktree, copy_paths, locked_uncached_outs, remove
+    from detpipe.orchestration.workspace import add_worktree, copy_paths, locked_uncached_outs, remove
 
     baseline = experiments.baseline(ws)
     snap = ws.with_name(ws.name + ".push")
@@ -281,7 +281,7 @@ def push_partial(ws: Path, run: Run, logger, training: bool = True) -> str | Non
                     f"({LINK_ATTEMPTS} listings); nothing pushed, the experiment on '{run.remotes.git}' is left "
                     "as it was")
             what = f"checkpoints up to {linked[-1]}"
-            run_logged([sys.executable, "-m", "detpipe.ops.commit_partial", "train", "--deps-from-lock"], snap, logger)
+            run_logged([sys.executable, "-m", "detpipe.orchestration.commit_partial", "train", "--deps-from-lock"], snap, logger)
             run_logged(dvc("push", "train"), snap, logger)
         run_logged(["git", "add", "-A"], snap, logger)
         run_logged(["git", *_identity(snap), "commit", "-q", "--allow-empty", "-m",

@@ -8,7 +8,7 @@ It is removed when the run ends successfully or is cancelled; a failed or crashe
 checkpoints) is kept, and a retry of the same flow run (same id) continues in it and removes it when it
 succeeds. ``git worktree list`` shows kept ones; ``git worktree remove --force <path>`` deletes one.
 
-A run that syncs with the team's remotes (`detpipe.ops.remotes`) can instead start from an experiment commit an
+A run that syncs with the team's remotes (`detpipe.orchestration.remotes`) can instead start from an experiment commit an
 earlier attempt pushed: the workspace is then a worktree of that experiment's baseline with the experiment's
 files (params.yaml, dvc.lock, metrics) on top, as ``dvc exp apply`` leaves them, and ``dvc pull
 --allow-missing`` fetches every output ``dvc.lock`` records (the checkpoints of a partial training included).
@@ -22,8 +22,8 @@ import subprocess
 from pathlib import Path
 from typing import Iterator
 
-from detpipe.errors import StageError
-from detpipe.ops.processes import dvc, git, run_logged
+from detpipe.core.errors import StageError
+from detpipe.orchestration.processes import dvc, git, run_logged
 
 RUNS_DIR = ".dvc/tmp/runs"
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from detpipe.boxes import Fmt, convert
+from detpipe.core.boxes import Fmt, convert
 
 
 def line_width(orig_size) -> int:
@@ -25,7 +25,7 @@ def draw_boxes(image: torch.Tensor, bboxes: list, color: str, width: int = 2,
     Args:
         image: ``uint8 (3, H, W)`` RGB.
         bboxes: COCO ``[x, y, w, h]`` boxes (floats, pixels of ``image``), or boxes of format ``fmt``
-            (`detpipe.boxes`: ``xyxy`` for a model's output); none: ``image`` is returned as it is.
+            (`detpipe.core.boxes`: ``xyxy`` for a model's output); none: ``image`` is returned as it is.
         color: the boxes' (and labels') colour.
         width: line width in pixels.
         labels: one text per box, written at its top-left corner (None: no text).

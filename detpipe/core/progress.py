@@ -9,7 +9,7 @@ from typing import Callable, Iterable, Iterator, TypeVar
 
 from tqdm import tqdm
 
-log = logging.getLogger("detpipe.progress")
+log = logging.getLogger("detpipe.core.progress")
 T = TypeVar("T")
 
 EVERY_S = 30.0  # default seconds between progress log lines (train.log_every_s)
@@ -31,7 +31,7 @@ def _bytes(n: float) -> str:
 class Progress:
     """Progress of ``total`` units of work (iterations, batches, images, bytes) named ``desc``.
 
-    On a TTY (``sys.stderr.isatty()``) a tqdm bar; otherwise `update` logs (logger ``detpipe.progress``, INFO)
+    On a TTY (``sys.stderr.isatty()``) a tqdm bar; otherwise `update` logs (logger ``detpipe.core.progress``, INFO)
     at most one line per ``every_s`` seconds, and always when the count reaches ``total``, e.g.::
 
         train: iteration 12/40, epoch 2/5, loss 1.234, lr 0.01, 3.2 images/s, ETA 0:01:23

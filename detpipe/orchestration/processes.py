@@ -2,12 +2,12 @@
 
 Process tree of a stage run by the flow::
 
-    serve / worker ─ flow-run process ─ guard (python detpipe/ops/processes.py) ─ dvc repro ─ stage ─ torchrun workers
+    serve / worker ─ flow-run process ─ guard (python detpipe/orchestration/processes.py) ─ dvc repro ─ stage ─ torchrun workers
 
-* The flow-run process calls `detpipe.lifeline.die_with_parent`: the kernel SIGKILLs it when the serve/worker
+* The flow-run process calls `detpipe.core.lifeline.die_with_parent`: the kernel SIGKILLs it when the serve/worker
   process that started it dies (``prctl(PR_SET_PDEATHSIG)``), so a killed ``python -m flows.serve`` takes its
   runs with it; their Prefect heartbeats stop and the server marks them Crashed (see flows/serve.py). The
-  torchrun workers bind themselves to their launcher the same way (`detpipe.lifeline.die_with_launcher`).
+  torchrun workers bind themselves to their launcher the same way (`detpipe.core.lifeline.die_with_launcher`).
 * Each command runs under a guard process (`guard`), which is a child subreaper (``PR_SET_CHILD_SUBREAPER``:
   whatever its command leaves behind is reparented to it, never to init) and gets SIGTERM from the kernel when
   the flow-run process dies. On SIGTERM/SIGINT, or when the command exits, it stops everything below it as a
@@ -32,7 +32,7 @@ import psutil
 
 if not __package__:  # run as a file by `run_logged` (the guard): import detpipe from this file's own checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from detpipe.lifeline import PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, prctl  # noqa: E402
+from detpipe.core.lifeline import PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, prctl  # noqa: E402
 
 GRACE_S = 15.0        # SIGINT -> SIGKILL (seconds); Prefect's runner allows 30 s between its SIGTERM and SIGKILL
 
@@ -53,7 +53,7 @@ def child_env() -> dict[str, str]:
 
 def dvc(*args: str) -> list[str]:
     """The command line of ``dvc --wait-for-lock <args>`` run with this interpreter (``python -m dvc``): the one
-    way detpipe.ops and flows/ start DVC (with `run_logged` or ``subprocess.run``)."""
+    way detpipe.orchestration and flows/ start DVC (with `run_logged` or ``subprocess.run``)."""
     return [sys.executable, "-m", "dvc", "--wait-for-lock", *args]
 
 

@@ -18,8 +18,8 @@ from ruamel.yaml.constructor import SafeConstructor
 from ruamel.yaml.error import YAMLError
 
 from detpipe import params as params_mod
-from detpipe.errors import StageError
-from detpipe.files import atomic_write_bytes
+from detpipe.core.errors import StageError
+from detpipe.core.files import atomic_write_bytes
 
 
 class OverrideError(StageError):

@@ -4,7 +4,7 @@
 `draw_batch` tiles the images of one optimizer step's micro-batches exactly as the loader yielded them (cached
 size, horizontally flipped where the sample was flipped) with their target boxes drawn over them (and their
 instance masks shaded, for mask models), one colour per class, the class name at each box's top-left corner
-(`detpipe.evaluation.drawing`). A box that does not sit on its object here is a box the model learns from.
+(`detpipe.vis.drawing`). A box that does not sit on its object here is a box the model learns from.
 
 Layout (`grid_layout`): the first ``max_images`` images in loader order, row-major in a grid of ``ceil(sqrt(n))``
 columns; every cell is as large as the largest (scaled) image plus `PAD` pixels, the image at the cell's top-left
@@ -47,7 +47,7 @@ def grid_layout(sizes: list[tuple[int, int]], max_side: int) -> tuple[list[float
 
 def _tile(image: torch.Tensor, target: dict, scale: float, label_names: list[str] | None) -> torch.Tensor:
     """One sample drawn: ``uint8 (3, h, w)``."""
-    from detpipe.evaluation.drawing import draw_boxes, draw_masks, line_width
+    from detpipe.vis.drawing import draw_boxes, draw_masks, line_width
 
     img = image.detach().to("cpu", torch.float32)
     boxes = target["boxes"].detach().to("cpu", torch.float64)

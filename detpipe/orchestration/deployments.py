@@ -6,7 +6,7 @@ Crashes are told by Prefect's own mechanism: every flow run sends a heartbeat ev
 `ZOMBIE_AUTOMATION` (`ensure_zombie_automation`, the recipe of https://docs.prefect.io/v3/advanced/detect-zombie-flows)
 marks a Running flow run Crashed when no heartbeat came for `zombie_after_s` seconds (``DETPIPE_ZOMBIE_AFTER_S``,
 default `ZOMBIE_AFTER_S` = 90: three missed heartbeats). A run whose serve/worker process is killed dies with it
-(`detpipe.ops.processes`), so it is Crashed at most ``zombie_after_s`` + the server's trigger evaluation period (5 s)
+(`detpipe.orchestration.processes`), so it is Crashed at most ``zombie_after_s`` + the server's trigger evaluation period (5 s)
 after the kill; ``prefect flow-run retry <id>`` then resumes it.
 
 Each code source is its own deployment (`source_tag`, `claim`): a name already registered for another source (a
@@ -23,7 +23,7 @@ import os
 from datetime import timedelta
 from pathlib import Path
 
-from detpipe.ops.overrides import json_schema
+from detpipe.orchestration.overrides import json_schema
 
 HEARTBEAT_S = 30           # default seconds between heartbeats: Prefect's minimum
 ZOMBIE_AFTER_S = 90        # default seconds without heartbeat before a run is Crashed: three missed heartbeats
@@ -96,7 +96,7 @@ def ensure_zombie_automation() -> None:
 
 def with_schema(deployment, repo_description: str | None = None):
     """``deployment`` (a `prefect.deployments.runner.RunnerDeployment` of a flow with parameters ``overrides``
-    and ``repo``) with `detpipe.ops.overrides.json_schema` as its ``overrides`` parameter schema and, if given,
+    and ``repo``) with `detpipe.orchestration.overrides.json_schema` as its ``overrides`` parameter schema and, if given,
     ``repo_description`` as the ``repo`` parameter's description. Returns ``deployment``, changed in place."""
     # Prefect 3.8 has no public way to set a RunnerDeployment's parameter schema: it is the private attribute
     # `_parameter_openapi_schema`, built from the flow's signature by `Flow.to_deployment`/`from_flow` (which take

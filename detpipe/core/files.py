@@ -16,14 +16,14 @@ from typing import Any, Iterator
 import pyarrow as pa
 import pyarrow.fs as pafs
 
-from detpipe.errors import StageError
+from detpipe.core.errors import StageError
 
-log = logging.getLogger("detpipe.files")
+log = logging.getLogger("detpipe.core.files")
 
 
 # The one temporary-name rule: whatever is written on its way to output ``<name>`` lives beside it as
 # ``.<name>.<kind>-<suffix>`` (kind ``tmp``: being written; ``old``: a replaced output being removed; ``fetch``: a
-# download being staged). `detpipe.ops.repair` removes what a killed stage left by this pattern.
+# download being staged). `detpipe.orchestration.repair` removes what a killed stage left by this pattern.
 TEMP_KINDS = ("tmp", "old", "fetch")
 TEMP_NAME = re.compile(r"^\.(?P<name>.+)\.(?:tmp|old|fetch)-[A-Za-z0-9_]+$")
 

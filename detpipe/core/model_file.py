@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from detpipe.errors import StageError
-from detpipe.files import atomic_open
+from detpipe.core.errors import StageError
+from detpipe.core.files import atomic_open
 
 
 def save_torch_atomic(obj, path: Path | str) -> None:
-    """``torch.save(obj)`` to ``path`` atomically (`detpipe.files.atomic_open`: temporary file, fsync, rename)."""
+    """``torch.save(obj)`` to ``path`` atomically (`detpipe.core.files.atomic_open`: temporary file, fsync, rename)."""
     import torch
 
     with atomic_open(path) as f:

@@ -17,17 +17,17 @@ commands that hold stage locks. `repair` never touches anything while a DVC comm
 repository: see `live_processes`.
 
 It reads dvc.yaml and dvc.lock itself, with DVC's YAML reader and lock file schema (``dvc.utils.serialize.parse_yaml``,
-``dvc.schema.COMPILED_LOCKFILE_SCHEMA``), not through ``dvc.repo.Repo`` as the rest of ``detpipe.ops`` does: the
+``dvc.schema.COMPILED_LOCKFILE_SCHEMA``), not through ``dvc.repo.Repo`` as the rest of ``detpipe.orchestration`` does: the
 Repo's index reads dvc.lock together with dvc.yaml and refuses a cut-short one, which is what repair must mend.
 
-Stages write their outputs through ``detpipe.files`` (a temporary path beside the output, then a rename), so a
+Stages write their outputs through ``detpipe.core.files`` (a temporary path beside the output, then a rename), so a
 killed stage leaves ``.<name>.tmp-*`` (``atomic_dir``, ``atomic_write_bytes``), ``.<name>.old-<pid>``
 (``atomic_dir`` replacing an output) or ``.<name>.fetch-*`` (download) beside its outputs; `repair` removes them.
 
 Command line (plain ``dvc`` users, after a killed run)::
 
-    python -m detpipe.ops.repair repair [--root .]     # exit 0: repository usable; 1: a DVC process is running
-    python -m detpipe.ops.repair check-lock [--root .] # exit 1 when dvc.lock does not match code and params
+    python -m detpipe.orchestration.repair repair [--root .]     # exit 0: repository usable; 1: a DVC process is running
+    python -m detpipe.orchestration.repair check-lock [--root .] # exit 1 when dvc.lock does not match code and params
 """
 from __future__ import annotations
 
@@ -45,11 +45,11 @@ from typing import Iterator
 
 import psutil
 
-from detpipe.errors import StageError, run_program
-from detpipe.files import temp_of
-from detpipe.ops.processes import dvc, git
+from detpipe.core.errors import StageError, run_program
+from detpipe.core.files import temp_of
+from detpipe.orchestration.processes import dvc, git
 
-log = logging.getLogger("detpipe.ops.repair")
+log = logging.getLogger("detpipe.orchestration.repair")
 
 LOCK_BACKUP = Path(".dvc/tmp/dvc.lock.backup")    # the last dvc.lock `repair` found valid
 LOCK_CORRUPT = Path(".dvc/tmp/dvc.lock.corrupt")  # the last cut-short dvc.lock `repair` replaced
@@ -230,7 +230,7 @@ def _repair_lockfile(root: Path) -> list[str]:
     """Keep a copy of a valid dvc.lock; rebuild a cut-short one (see `repair`)."""
     from dvc.utils.serialize import dumps_yaml
 
-    from detpipe.files import atomic_write_bytes
+    from detpipe.core.files import atomic_write_bytes
 
     path, backup = root / "dvc.lock", root / LOCK_BACKUP
     try:
@@ -300,7 +300,7 @@ def _declared_outputs(root: Path) -> list[Path]:
 
 def stage_temporaries(root: Path | str) -> list[Path]:
     """Temporary files and folders of killed stages: names following the temporary-name rule
-    (`detpipe.files.TEMP_NAME`) beside a declared output.
+    (`detpipe.core.files.TEMP_NAME`) beside a declared output.
 
     In a folder that holds declared outputs (``data/``, ``models/``, ``metrics/``, ...) every such name counts;
     in the repository root only those of a declared output (``.checkpoints.tmp-*``). Does not check whether
@@ -417,7 +417,7 @@ def lock_mismatches(root: Path | str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m detpipe.ops.repair", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m detpipe.orchestration.repair", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name, what in (("repair", "repair what a killed DVC or stage left behind"),
                        ("check-lock", "fail when dvc.lock does not match the code and params")):

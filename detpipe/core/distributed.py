@@ -2,8 +2,8 @@
 the process group with a collective timeout, and turn a collective that failed (timed out, or its peer went away)
 into one line naming the collective and the lost peer. Launching the workers (torchrun, Slurm, Kubernetes) is
 `detpipe.launch` (`detpipe.launch.torchrun`), which this module does not import: the timeout arrives in the
-environment (`detpipe.worker_env.COLLECTIVE_TIMEOUT_ENV`). A worker ties its life to its launcher's with
-`detpipe.lifeline.die_with_launcher`."""
+environment (`detpipe.core.worker_env.COLLECTIVE_TIMEOUT_ENV`). A worker ties its life to its launcher's with
+`detpipe.core.lifeline.die_with_launcher`."""
 from __future__ import annotations
 
 import contextlib
@@ -18,7 +18,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from detpipe.worker_env import COLLECTIVE_TIMEOUT_ENV
+from detpipe.core.worker_env import COLLECTIVE_TIMEOUT_ENV
 
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
@@ -152,10 +152,10 @@ def collective_failure(e: BaseException) -> str | None:
 
 @contextlib.contextmanager
 def collective_errors() -> Iterator[None]:
-    """Turn a failed collective raised inside (`collective_failure`) into a `detpipe.errors.StageError` with its
-    one line (a worker under `detpipe.errors.run_program` then prints ``error: <line>`` and exits with status 2,
+    """Turn a failed collective raised inside (`collective_failure`) into a `detpipe.core.errors.StageError` with its
+    one line (a worker under `detpipe.core.errors.run_program` then prints ``error: <line>`` and exits with status 2,
     and torchrun's agent restarts the group); other errors pass through unchanged."""
-    from detpipe.errors import StageError
+    from detpipe.core.errors import StageError
 
     try:
         yield

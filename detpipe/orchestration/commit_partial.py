@@ -3,7 +3,7 @@ DVC cache, so that ``dvc push`` shares it and another clone can ``dvc pull`` it 
 
 Usage, from the repository root, after a training was stopped (killed, preempted, out of time)::
 
-    python -m detpipe.ops.commit_partial train     # checkpoints/ (and dvclive/) into dvc.lock + .dvc/cache
+    python -m detpipe.orchestration.commit_partial train     # checkpoints/ (and dvclive/) into dvc.lock + .dvc/cache
     git add dvc.lock && git commit -m "train: partial run" && git push
     dvc push                                  # uploads the checkpoints
 
@@ -21,7 +21,7 @@ a pipeline stage ("overlaps with an output of stage"). DVC's Python API has the 
 
 The stage's dependencies must exist (their hashes are recorded, as for a finished run); with ``--deps-from-lock``
 a dependency that is another stage's output and not in the workspace gets the hash ``dvc.lock`` records for that
-output (`detpipe.ops.remotes` snapshots a running training's checkpoints in a second worktree this way, without
+output (`detpipe.orchestration.remotes` snapshots a running training's checkpoints in a second worktree this way, without
 copying the training data).
 """
 from __future__ import annotations

@@ -3,7 +3,7 @@ workspace saved as DVC experiment (``dvc exp save``), and the run's result read 
 
 An experiment is a git commit whose parent is the run's *baseline* (the workspace's ``HEAD``), under the ref
 ``refs/exps/<baseline[:2]>/<baseline[2:]>/<name>`` (`experiment_ref`: DVC's layout, used for finished runs here and
-for partial ones by `detpipe.ops.remotes`); its name comes from the flow run's (`experiment_name`).
+for partial ones by `detpipe.orchestration.remotes`); its name comes from the flow run's (`experiment_name`).
 """
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ import re
 from pathlib import Path
 from typing import Protocol
 
-from detpipe.ops import workspace
-from detpipe.ops.processes import dvc, git, run_logged
+from detpipe.orchestration import workspace
+from detpipe.orchestration.processes import dvc, git, run_logged
 
 
 
 class RemoteURIs(Protocol):
-    """What `summarize` needs of a run's remotes (`detpipe.ops.remotes.Remotes` has it; not imported here:
+    """What `summarize` needs of a run's remotes (`detpipe.orchestration.remotes.Remotes` has it; not imported here:
     remotes imports this module)."""
     git_url: str
     dvc_url: str
@@ -58,16 +58,16 @@ def repro_outcome(stage: str, lines: list[str]) -> str:
 def repro(ws: Path, stage: str, logger, pull: bool = False) -> str:
     """``dvc repro --single-item <stage>`` (with ``pull``: ``--pull``, fetching missing inputs and run-cache
     entries from the default DVC remote) in workspace ``ws``, its output logged line by line; returns
-    `repro_outcome`. Raises `detpipe.ops.processes.CommandError` when DVC fails."""
+    `repro_outcome`. Raises `detpipe.orchestration.processes.CommandError` when DVC fails."""
     lines = run_logged(dvc("repro", "--single-item", stage, *["--pull"] * pull), ws, logger)
     return repro_outcome(stage, lines)
 
 
 def save(ws: Path, name: str, logger) -> str:
     """Save workspace ``ws`` as experiment ``name``: ``dvc exp save --name <name> --force`` (a retry replaces its
-    own experiment) with the pipeline's untracked files (`detpipe.ops.workspace.untracked_pipeline_files`), one
-    saving at a time per repository (`detpipe.ops.workspace.experiment_lock`). Returns the experiment's git ref
-    (`experiment_ref`). Raises `detpipe.ops.processes.CommandError` when DVC fails."""
+    own experiment) with the pipeline's untracked files (`detpipe.orchestration.workspace.untracked_pipeline_files`), one
+    saving at a time per repository (`detpipe.orchestration.workspace.experiment_lock`). Returns the experiment's git ref
+    (`experiment_ref`). Raises `detpipe.orchestration.processes.CommandError` when DVC fails."""
     args = ["exp", "save", "--name", name, "--force"]
     for path in workspace.untracked_pipeline_files(ws):
         args += ["--include-untracked", path]
@@ -83,10 +83,10 @@ def summarize(ws: Path, stages: dict[str, str], experiment: str, ref: str, overr
     ``remotes`` (a run that syncs) its URI in the DVC remote and the git remote's URL, else its file in the
     shared DVC cache (``<cache>/files/md5/ab/cdef…``). An output missing from the cache is left out.
 
-    The md5s are those ``dvc.lock`` records, read by DVC (`detpipe.ops.workspace.locked_outs`).
+    The md5s are those ``dvc.lock`` records, read by DVC (`detpipe.orchestration.workspace.locked_outs`).
 
     Raises:
-        detpipe.ops.processes.CommandError: ``dvc cache dir`` fails.
+        detpipe.orchestration.processes.CommandError: ``dvc cache dir`` fails.
         OSError: no ``dvc.lock`` or ``metrics/eval.json`` (the pipeline did not finish).
         dvc.exceptions.DvcException: DVC cannot read dvc.yaml or dvc.lock.
     """
