@@ -93,11 +93,13 @@ class _BatchedNMS(torch.autograd.Function):
                     g.op("Constant", value_t=torch.tensor([score_threshold], dtype=torch.float)))
 
 
-def _flatten(prefix: str, value) -> list[tuple[str, torch.Tensor]]:
+def flatten_outputs(prefix: str, value) -> list[tuple[str, torch.Tensor]]:
+    """A raw tap's output (a tensor, or dicts/lists/tuples of them) as ``[(dotted name, tensor)]`` in a fixed order:
+    ``head.cls_logits``, ``raw.0``, ... (the names the parity gate and the ONNX graph's raw outputs carry)."""
     if isinstance(value, torch.Tensor):
         return [(prefix, value)]
     items = value.items() if isinstance(value, dict) else enumerate(value)
-    return [pair for key, v in items for pair in _flatten(f"{prefix}.{key}", v)]
+    return [pair for key, v in items for pair in flatten_outputs(f"{prefix}.{key}", v)]
 
 
 class BatchedExport(torch.nn.Module):
@@ -137,7 +139,7 @@ class BatchedExport(torch.nn.Module):
     def forward(self, images: torch.Tensor):
         self._captured.clear()
         det = self._ssd(images) if self.kind == "ssd" else self._detr(images)
-        flat = [pair for path, out in zip(self.taps, self._captured) for pair in _flatten(path, out)]
+        flat = [pair for path, out in zip(self.taps, self._captured) for pair in flatten_outputs(path, out)]
         self._captured.clear()
         self._raw_names = [name for name, _ in flat]
         return (*det, *[t for _, t in flat])

@@ -28,6 +28,7 @@ import torchvision
 from torchvision.ops import box_iou
 
 from detpipe.data.meta import read_meta
+from detpipe.export.batched import flatten_outputs
 from detpipe.core.files import folder_sha256
 
 SCORE_TOL = 1e-5
@@ -58,13 +59,6 @@ def torch_export_supported(model: torch.nn.Module) -> bool:
     return bool(family_of_model(model).torch_export_supported(model))
 
 
-def _flatten(prefix: str, value) -> list[tuple[str, torch.Tensor]]:
-    if isinstance(value, torch.Tensor):
-        return [(prefix, value)]
-    items = value.items() if isinstance(value, dict) else enumerate(value)
-    return [pair for key, v in items for pair in _flatten(f"{prefix}.{key}", v)]
-
-
 class DetectionExport(torch.nn.Module):
     """The flat signature of every exported file: ``forward(image)`` with ``image`` ``float32 (3, H, W)`` RGB in
     [0, 1] returns ``boxes`` ``float32 (N, 4)`` XYXY input pixels, ``scores`` ``float32 (N,)``, ``labels``
@@ -85,7 +79,7 @@ class DetectionExport(torch.nn.Module):
     def forward(self, image: torch.Tensor):
         self._captured.clear()
         det = self.model([image])[0]
-        flat = [pair for path, out in zip(self.taps, self._captured) for pair in _flatten(path, out)]
+        flat = [pair for path, out in zip(self.taps, self._captured) for pair in flatten_outputs(path, out)]
         self._captured.clear()  # no tensor kept on the module (torch.export would take it for state)
         self._raw_names = [name for name, _ in flat]
         raw = [t for _, t in flat]
