@@ -754,7 +754,7 @@ def test_cli(tmp_path, coco):
     assert sum(s["images"] for s in meta["splits"].values()) == 3
     assert "convert: train" in ok.stderr
     # stderr is no terminal (as under Prefect): progress is a log line, the last one at the end
-    assert re.search(r"detpipe\.progress INFO convert: image 3/3, [\d.]+ images/s$", ok.stderr, re.M), ok.stderr
+    assert re.search(r"detpipe\.core\.progress INFO convert: image 3/3, [\d.]+ images/s$", ok.stderr, re.M), ok.stderr
     before = {p: p.read_bytes() for p in (tmp_path / "data" / "arrow").rglob("*") if p.is_file()}
     (raw / ANN).write_text('{"images": [], "annotations": []}')
     bad = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)

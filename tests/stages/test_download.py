@@ -449,7 +449,7 @@ def test_stage_default_params_copy_embedded_dataset(tmp_path):
     assert f"sha256 of folder manifest data/coco128: {_manifest_sha(COCO)}" in res.stderr
     assert _leftovers(work / "data") == []
     # stderr is no terminal (as under Prefect): the copy's progress is a log line, the last one at the end
-    assert re.search(r"detpipe\.progress INFO coco128: ([\d.]+ MiB)/\1, [\d.]+ [KMG]?i?B/s$", res.stderr, re.M), \
+    assert re.search(r"detpipe\.core\.progress INFO coco128: ([\d.]+ MiB)/\1, [\d.]+ [KMG]?i?B/s$", res.stderr, re.M), \
         res.stderr
 
 

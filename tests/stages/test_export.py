@@ -144,13 +144,17 @@ def test_compare_raw_rejects_disagreement():
 
 def test_nothing_compared_fails_unless_opted_out(trained_workdir, tmp_path, monkeypatch):
     """A model without a known head: the stage fails (nothing compared) unless export.require_parity is false."""
-    import detpipe.export.exporter as export_mod
+    import dataclasses
+
+    import detpipe.models.family as family_mod
     from detpipe.export.stage import export
 
     work = tmp_path / "w"
     shutil.copytree(trained_workdir, work)
     monkeypatch.chdir(work)
-    monkeypatch.setattr(export_mod, "raw_taps", lambda model: [])
+    family_of_model = family_mod.family_of_model     # the family declares no raw outputs: every export path asks it
+    monkeypatch.setattr(family_mod, "family_of_model",
+                        lambda model: dataclasses.replace(family_of_model(model), raw_taps=lambda m: []))
     with pytest.raises(StageError, match="nothing compared for onnx, torch_export"):
         export(Export(num_images=1))
     assert not (work / "models/model.onnx").exists()

@@ -59,7 +59,7 @@ def _copy(src: Path, dst: Path, overrides: dict | None = None) -> Path:
     return dst
 
 
-_PROGRESS = re.compile(r"^(\S+ \S+) detpipe\.progress INFO train: iteration (\d+)/(\d+), epoch \d+/\d+, loss [\d.e+-]+, "
+_PROGRESS = re.compile(r"^(\S+ \S+) detpipe\.core\.progress INFO train: iteration (\d+)/(\d+), epoch \d+/\d+, loss [\d.e+-]+, "
                        r"lr [\d.e+-]+, [\d.]+ images/s, ETA \d+:\d\d:\d\d$", re.M)
 
 
