@@ -238,25 +238,32 @@ def _luma(image: torch.Tensor) -> torch.Tensor:
     """``(3, H, W)`` RGB in [0, 1] -> ``(H, W)`` luma (ITU-R BT.601, as JPEG's YCbCr)."""
     return (image * _LUMA).sum(0)
 
+def _two_steps_of_4(dataset, **loader_options) -> tuple[list, list]:
+    """The images and targets of the first 2 iterations of batch 4 (9 train images, drop_last) that `micro_batches`
+    gives for ``dataset`` with ``loader_options`` (decode_device, augment_device, pin_memory), flattened."""
+    from detpipe.data.dataset import ResumableDistributedSampler, micro_batches
+
+    sampler = ResumableDistributedSampler(len(dataset), seed=0, shards=dataset.sample_shards())
+    steps = micro_batches(dataset, sampler, (0, 0, 0), 4, 1, **loader_options)
+    try:
+        batches = [next(steps)[0] for _ in range(2)]
+    finally:
+        steps.close()
+    return [im for images, _ in batches for im in images], [t for _, targets in batches for t in targets]
+
+
 
 def test_gpu_jpeg_decode_in_the_loader(cached_workdir):
     """`micro_batches` with ``decode_device`` = the GPU on the (default) JPEG cache: images arrive float32 in
     [0, 1] on the GPU, decoded there by nvJPEG and flipped after decoding (``hflip: 1``: every sample), and equal
     the CPU loader's libjpeg-turbo decode (same sampler, same flips): their luma within `JPEG_MEAN_ABS_BOUND` per
     image, their RGB `FLIP_MARGIN` times closer than the unflipped image; the targets are identical."""
-    from detpipe.data.dataset import CachedDetectionDataset, ResumableDistributedSampler, micro_batches
+    from detpipe.data.dataset import CachedDetectionDataset
 
     def one_epoch(decode_device):
         dataset = CachedDetectionDataset(cached_workdir / "data/cache", "train", hflip=1.0, seed=0)
         assert dataset.encoding == "jpeg"
-        sampler = ResumableDistributedSampler(len(dataset), seed=0, shards=dataset.sample_shards())
-        steps = micro_batches(dataset, sampler, (0, 0, 0), 4, 1, pin_memory=decode_device is not None,
-                              decode_device=decode_device)
-        try:
-            batches = [next(steps)[0] for _ in range(2)]  # 2 iterations of batch 4 (9 images, drop_last)
-        finally:
-            steps.close()
-        return [im for images, _ in batches for im in images], [t for _, targets in batches for t in targets]
+        return _two_steps_of_4(dataset, pin_memory=decode_device is not None, decode_device=decode_device)
 
     gpu_images, gpu_targets = one_epoch(torch.device(DEVICE_TYPE, 0))
     cpu_images, cpu_targets = one_epoch(None)
@@ -287,7 +294,7 @@ def test_augmentation_on_the_gpu_draws_what_the_loader_draws(cached_workdir, pre
     import dataclasses
 
     from detpipe.data import train_transforms as tt
-    from detpipe.data.dataset import CachedDetectionDataset, ResumableDistributedSampler, micro_batches
+    from detpipe.data.dataset import CachedDetectionDataset
 
     over = {"photometric": 0.0, **({"mixup": 0.5} if preset == "yolo" else {})}
 
@@ -295,13 +302,7 @@ def test_augmentation_on_the_gpu_draws_what_the_loader_draws(cached_workdir, pre
         dataset = CachedDetectionDataset(cached_workdir / "data/cache", "train", hflip=0.5, seed=0)
         dataset.transforms = tt.TrainTransforms(dataclasses.replace(tt.resolve_preset(preset, 3), **over), 0,
                                                 len(dataset))
-        sampler = ResumableDistributedSampler(len(dataset), seed=0, shards=dataset.sample_shards())
-        steps = micro_batches(dataset, sampler, (0, 0, 0), 4, 1, augment_device=augment_device)
-        try:
-            batches = [next(steps)[0] for _ in range(2)]
-        finally:
-            steps.close()
-        return [im for images, _ in batches for im in images], [t for _, targets in batches for t in targets]
+        return _two_steps_of_4(dataset, augment_device=augment_device)
 
     gpu_images, gpu_targets = two_steps(torch.device(DEVICE_TYPE, 0))
     cpu_images, cpu_targets = two_steps(None)
