@@ -22,7 +22,7 @@ Endpoints (every answer is JSON; docs/serve.md has examples):
 Limits (each refusal is ``{"error": "<one line>"}``, never a traceback): a body over ``--max-bytes`` is 413 (a
 ``Content-Length`` over it is refused unread); an image whose header declares more than ``--max-pixels`` pixels is
 422 before any pixel is decoded (decompression bombs; Pillow's ``Image.MAX_IMAGE_PIXELS`` is set to the same limit);
-a body that is no image of `detpipe.serve.app.ACCEPTED_FORMATS` is 415, a corrupt one 400; an unknown route 404, a
+a body that is no image of `detpipe.serve.intake.ACCEPTED_FORMATS` is 415, a corrupt one 400; an unknown route 404, a
 wrong method 405. Requests are admitted into a bounded queue (``--queue-size``) and run by one model worker in
 micro-batches (``--max-batch`` images, waiting at most ``--max-wait-ms`` for a batch to fill:
 `detpipe.serve.batcher.Batcher`); a request is admitted only once its body is read and decoded, and one that finds
@@ -38,15 +38,16 @@ gracefully (no new connections, requests in flight answered, at most ``--gracefu
 status 0; it starts no process. A missing model or data meta file, a port in use or a model that cannot be loaded
 is a one-line error (exit status 2).
 
-The package: `serve` here (the server's run; `Limits`, its options), `detpipe.serve.app` (routes, limits,
-loading, reloading), `detpipe.serve.batcher` (the bounded queue and its model worker), `detpipe.serve.connections`
+The package: `serve` here (the server's run), `detpipe.serve.limits` (`Limits`, its options),
+`detpipe.serve.app` (the routes and the service behind them: loading, reloading), `detpipe.serve.intake` (a
+request's body, limits and decoding), `detpipe.serve.served` (a loaded model, its version, ``exp:<name>``),
+`detpipe.serve.batcher` (the bounded queue and its model worker), `detpipe.serve.connections`
 (the connection slots and the header timeout), `detpipe.serve.metrics` (``/metrics``), ``__main__`` (the command
 line).
 """
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 import signal
@@ -55,6 +56,7 @@ import warnings
 from pathlib import Path
 
 from detpipe.core.errors import StageError
+from detpipe.serve.limits import SCORE_THRESHOLD, Limits  # noqa: F401 - the command's options, re-exported here
 
 log = logging.getLogger("detpipe.serve")
 
@@ -63,49 +65,10 @@ DEFAULT_PORT = 8000
 MAX_CONNECTIONS = 32
 MAX_WAITING = 256          # connections accepted beyond --max-connections, waiting for a slot; more get 503
 GRACEFUL_TIMEOUT_S = 10
-# predict's defaults (`detpipe.predict.DEFAULT_MODEL`, ``DEFAULT_DATA``, ``SCORE_THRESHOLD``), repeated so that the
-# command line and its option errors do not import torch
+# predict's defaults (`detpipe.predict.DEFAULT_MODEL`, ``DEFAULT_DATA``; ``SCORE_THRESHOLD`` in
+# `detpipe.serve.limits`), repeated so that the command line and its option errors do not import torch
 DEFAULT_MODEL = Path("models/model.onnx")
 DEFAULT_DATA = Path("data")
-SCORE_THRESHOLD = 0.25
-
-
-@dataclasses.dataclass(frozen=True)
-class Limits:
-    """What one server accepts and holds (the command's options).
-
-    ``max_bytes``: request body bytes (more: 413); ``max_pixels``: width x height an image may declare (more: 422,
-    refused before decoding; also Pillow's ``Image.MAX_IMAGE_PIXELS`` in the server process); ``queue_size``:
-    requests admitted and not yet in a batch (more: 503 with Retry-After); ``max_batch``: images per model call;
-    ``max_wait_s``: seconds a batch waits to fill after its first image; ``workers``: decoding threads;
-    ``score_threshold``: the default of the ``score_threshold`` query parameter, in [0, 1]; ``header_timeout_s``:
-    seconds a served connection may take to send a request's headers (more: closed); ``body_timeout_s``: seconds
-    from a request's headers to the end of its body (more: 408 and closed); ``keep_alive_s``: seconds an idle
-    kept-alive connection is held (then closed). A timeout of 0 is off (for tests that show what it prevents)."""
-
-    max_bytes: int = 16_000_000
-    max_pixels: int = 40_000_000
-    queue_size: int = 16
-    max_batch: int = 8
-    max_wait_s: float = 0.005
-    workers: int = 2
-    score_threshold: float = SCORE_THRESHOLD
-    header_timeout_s: float = 10.0
-    body_timeout_s: float = 30.0
-    keep_alive_s: float = 5.0
-
-    def check(self) -> None:
-        """Raises `StageError` naming the option of a value out of range."""
-        for name, value, low in (("--max-bytes", self.max_bytes, 1), ("--max-pixels", self.max_pixels, 1),
-                                 ("--queue-size", self.queue_size, 1), ("--max-batch", self.max_batch, 1),
-                                 ("--workers", self.workers, 1), ("--max-wait-ms", self.max_wait_s * 1000, 0),
-                                 ("--header-timeout", self.header_timeout_s, 0),
-                                 ("--body-timeout", self.body_timeout_s, 0),
-                                 ("--keep-alive-timeout", self.keep_alive_s, 0)):
-            if value < low:
-                raise StageError(f"{name} {value}: must be at least {low}")
-        if not 0.0 <= self.score_threshold <= 1.0:
-            raise StageError(f"--score-threshold {self.score_threshold}: must be in [0, 1] (scores are probabilities)")
 
 
 def listen_socket(host: str, port: int) -> socket.socket:

@@ -6,7 +6,7 @@ uvicorn's own ``limit_concurrency`` answers 503 at once to any request beyond th
 half a request and stall starve everyone else until they go. Here a connection beyond the limit is parked instead
 (reading paused, its bytes wait in the kernel, the header clock not started) and resumed, oldest first, when an
 active one closes; stalled clients are closed by the header timeout (here) and the body timeout (the application,
-`detpipe.serve.app.read_body`), so the slots they held come back within those timeouts. Beyond the limit plus
+`detpipe.serve.intake.read_body`), so the slots they held come back within those timeouts. Beyond the limit plus
 ``max_waiting`` parked connections, a new one is answered 503 at once. This is nginx's and gunicorn's model (a
 bounded set of worker connections, the rest waiting in the accept queue, ``client_header_timeout``,
 ``client_body_timeout``), on uvicorn's h11 protocol (a subclass: uvicorn has no header timeout of its own).

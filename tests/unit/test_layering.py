@@ -21,8 +21,6 @@ KNOWN_CYCLES = [
     {"detpipe/data/dataset.py", "detpipe/data/train_transforms.py", "detpipe/models/__init__.py",
      "detpipe/models/family.py", "detpipe/models/hf_weights.py", "detpipe/models/torchvision_family.py",
      "detpipe/models/transformers_family.py"},
-    # serve's package holds Limits, which its app imports; the package starts the app (function-level import).
-    {"detpipe/serve/__init__.py", "detpipe/serve/app.py"},
 ]
 
 

@@ -1,4 +1,4 @@
-"""``POST /admin/reload {"model": "exp:<name>"}``'s fetch (issue 49.4): `detpipe.serve.app.fetch_experiment_model`
+"""``POST /admin/reload {"model": "exp:<name>"}``'s fetch (issue 49.4): `detpipe.serve.served.fetch_experiment_model`
 reads ``models/model.onnx`` of a revision of a real (tiny) git + DVC repository with ``dvc.api.open``, as the
 train stage's ``train.weights: exp:<name>`` reads ``models/model.pt``. The server's reload then loads the copy like
 any model file (tests/stages/test_serve.py::test_reload_under_load_answers_every_request)."""
@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from detpipe.core.errors import StageError
-from detpipe.serve.app import fetch_experiment_model
+from detpipe.serve.served import fetch_experiment_model
 from support.procs import run
 
 
