@@ -3,12 +3,13 @@ same images, same run, every answer checked against `detpipe.predict` offline.
 
 First predict runs offline over the folder (default ``data/coco128/train2017``, 128 images; ``--batch-size`` 8,
 no drawn images, the default score threshold) after a warm-up on 8 images, ``--repeats`` times: its predictions
-are the reference (its images/s is printed too). Then the real server starts twice, one after the other (a
-subprocess on a free loopback port, a queue of at least ``--clients``; ready when ``/readyz`` says so): first with
-``--max-batch 1`` (the baseline: every image its own model call), then with ``--max-batch <--batch-size>``. For
-each, ``--clients`` concurrent clients (asyncio + httpx, one connection each) POST ``--requests`` images in turn
+are the reference (its images/s is printed too). Then the real server starts twice, both up at once (a
+subprocess each on a free loopback port, a queue of at least ``--clients``; ready when ``/readyz`` says so): one
+with ``--max-batch 1`` (the baseline: every image its own model call), one with ``--max-batch <--batch-size>``. In
+each of ``--repeats`` rounds, each server in turn (interleaved: a loaded machine's drift hits both alike) gets
+``--clients`` concurrent clients (asyncio + httpx, one connection each) that POST ``--requests`` images in turn
 over the folder's files (the raw bytes, with predict's image id and file name), after one warm-up request per
-client, ``--repeats`` rounds (the fastest counts). Every answer is checked: status 200, JSON, and equal to
+client; the fastest round of each counts. Every answer is checked: status 200, JSON, and equal to
 predict's predictions for that image (same detections, order, ids and categories; boxes within 1e-3 px and scores
 within 1e-5: a batch of several images rounds a few floats differently). Any other answer, or a request that
 fails, is counted and the benchmark fails. Each server is stopped with SIGTERM and must exit with status 0.
@@ -93,30 +94,45 @@ async def load(url: str, bodies: list[tuple[str, int, bytes]], clients: int, req
     return wall, latencies, batches, problems
 
 
-def serve_rounds(model: Path, data: Path, log: Path, max_batch: int, args, bodies: list, reference: dict
-                 ) -> tuple[dict, int, str]:
-    """Start the server with ``--max-batch max_batch``, run ``args.repeats`` rounds of `load`, stop it (SIGTERM).
-    Returns ``({"ips", "wall", "latencies", "batches"} of the fastest round, "problems" of all, "load": load
-    average before and after), exit status, log text)``."""
-    options = ("--max-batch", str(max_batch), "--max-wait-ms", str(args.max_wait_ms),
-               "--queue-size", str(max(16, args.clients)), "--max-connections", str(max(32, 2 * args.clients)))
-    with running_server(model, data, log, *options) as server:
+def serve_interleaved(model: Path, data: Path, logs: Path, sizes: tuple[int, ...], args, bodies: list,
+                      reference: dict) -> tuple[dict, list[str]]:
+    """Start one server per ``--max-batch`` of ``sizes`` (all up at once: an idle one waits on its socket), then
+    ``args.repeats`` rounds in which each server in turn gets one `load` (batch 1, batch B, batch 1, ...: the
+    machine's load drifts alike for both), then stop them (SIGTERM). Returns ``({max_batch: {"ips", "wall",
+    "latencies", "batches" of its fastest round, "rounds": images/s of every round, "problems", "load": load average
+    before and after}}, problems of the servers' exits)``."""
+    import contextlib
+
+    out: dict[int, dict] = {m: {"rounds": [], "problems": [], "all": []} for m in sizes}
+    exits: list[str] = []
+    with contextlib.ExitStack() as stack:
+        servers = {}
+        for m in sizes:
+            options = ("--max-batch", str(m), "--max-wait-ms", str(args.max_wait_ms),
+                       "--queue-size", str(max(16, args.clients)), "--max-connections", str(max(32, 2 * args.clients)))
+            servers[m] = stack.enter_context(running_server(model, data, logs / f"serve-{m}.log", *options))
         load_before = os.getloadavg()[0]
-        rounds, problems = [], []
-        for _ in range(args.repeats):
-            wall, latencies, batches, found = asyncio.run(load(server.url, bodies, args.clients, args.requests,
-                                                               reference))
-            problems += found
-            rounds.append((wall, latencies, batches))
-            print(f"served --max-batch {max_batch} round: {len(latencies)} answers in {wall:.2f} s "
-                  f"({len(latencies) / wall:.2f} images/s)", flush=True)
-        wall, latencies, batches = min(rounds, key=lambda r: r[0])
+        for r in range(args.repeats):
+            for m, server in servers.items():
+                wall, latencies, batches, found = asyncio.run(load(server.url, bodies, args.clients, args.requests,
+                                                                   reference))
+                out[m]["problems"] += found
+                out[m]["all"].append((wall, latencies, batches))
+                out[m]["rounds"].append(len(latencies) / wall)
+                print(f"round {r + 1}, served --max-batch {m}: {len(latencies)} answers in {wall:.2f} s "
+                      f"({len(latencies) / wall:.2f} images/s); load average {os.getloadavg()[0]:.2f}", flush=True)
         load_after = os.getloadavg()[0]
-        server.proc.send_signal(signal.SIGTERM)
-        code = server.proc.wait(timeout=120)
-        text = server.log_text()
-    return ({"ips": len(latencies) / wall, "wall": wall, "latencies": latencies, "batches": batches,
-             "problems": problems, "load": (load_before, load_after)}, code, text)
+        for m, server in servers.items():
+            server.proc.send_signal(signal.SIGTERM)
+            code = server.proc.wait(timeout=120)
+            text = server.log_text()
+            if code != 0 or "Traceback" in text:
+                exits.append(f"server (--max-batch {m}) exit status {code} after SIGTERM; log tail:\n{text[-2000:]}")
+    for m, r in out.items():
+        wall, latencies, batches = min(r.pop("all"), key=lambda x: x[0])
+        r.update(ips=len(latencies) / wall, wall=wall, latencies=latencies, batches=batches,
+                 load=(load_before, load_after))
+    return out, exits
 
 
 def main() -> None:
@@ -154,20 +170,16 @@ def main() -> None:
         bodies = [(im["file_name"], im["id"], (Path(args.source) / im["file_name"]).read_bytes())
                   for im in report["images"]]
 
-        served, problems = {}, []
-        for max_batch in (1, args.batch_size):
-            served[max_batch], code, log = serve_rounds(model, data, tmp / f"serve-{max_batch}.log", max_batch, args,
-                                                        bodies, reference)
-            if code != 0 or "Traceback" in log:
-                problems.append(f"server (--max-batch {max_batch}) exit status {code} after SIGTERM; log tail:\n"
-                                f"{log[-2000:]}")
-            problems += served[max_batch]["problems"]
+        served, problems = serve_interleaved(model, data, tmp, (1, args.batch_size), args, bodies, reference)
+        for r in served.values():
+            problems += r["problems"]
     for max_batch, r in served.items():
         ms = [s * 1000 for s in r["latencies"]]
         print(f"served --max-batch {max_batch} (fastest round): {len(ms)} answers in {r['wall']:.2f} s "
               f"({r['ips']:.2f} images/s); latency p50 {percentile(ms, 50):.0f} ms, p99 {percentile(ms, 99):.0f} ms, "
               f"max {max(ms):.0f} ms, mean {statistics.fmean(ms):.0f} ms; batch sizes (answers per size): "
-              f"{dict(sorted(r['batches'].items()))}; load average {r['load'][0]:.2f} before, {r['load'][1]:.2f} after")
+              f"{dict(sorted(r['batches'].items()))}; every round: {', '.join(f'{x:.2f}' for x in r['rounds'])} images/s")
+    print(f"load average {served[1]['load'][0]:.2f} before the served rounds, {served[1]['load'][1]:.2f} after")
     print(f"offline predict (fastest, --batch-size {args.batch_size}): {offline_ips:.2f} images/s")
     checked = 2 * args.repeats * args.requests
     print(f"checked: {checked} requests, {len(problems)} problems (not 200, not JSON, or not predict's answer)")

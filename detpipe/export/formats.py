@@ -226,13 +226,14 @@ def quantize_int8(onnx_path: Path, out_path: Path, calibration: list[torch.Tenso
     return session_runner(int8_session(out_path))
 
 
-def int8_session(path: Path):
+def int8_session(path: Path, options=None):
     """An onnxruntime CPU session for an int8 QDQ file, its log at errors only: when onnxruntime fuses the QDQ
     pairs into ``QLinearConv`` etc. at load it warns once per float constant the fusion left unused (a hundred
-    ``Removing initializer`` lines for SSDlite, nothing wrong)."""
+    ``Removing initializer`` lines for SSDlite, nothing wrong). ``options``: an ``ort.SessionOptions`` to start from
+    (default: a new one)."""
     import onnxruntime as ort
 
-    options = ort.SessionOptions()
+    options = options or ort.SessionOptions()
     options.log_severity_level = 3
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 

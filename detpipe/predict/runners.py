@@ -25,7 +25,7 @@ def load_runner(model_path: Path | str) -> tuple[Runner, str, int | None]:
 
     Args:
         model_path: ``*.onnx`` (the export stage's ``models/model.onnx`` or its int8 ``models/int8/model.int8.onnx``:
-            onnxruntime, ``CPUExecutionProvider``), ``*.xml`` (OpenVINO IR,
+            onnxruntime, ``CPUExecutionProvider``, intra-op threads that do not spin-wait), ``*.xml`` (OpenVINO IR,
             ``models/openvino/model.xml`` with its ``.bin`` beside it: OpenVINO's CPU plugin at float32 precision,
             `detpipe.export.formats.openvino_runner`) or ``*.pt`` (the train stage's checkpoint,
             `detpipe.models.load_model`, eager, the batch at once, CPU). All take and give the same tensors.
@@ -40,12 +40,17 @@ def load_runner(model_path: Path | str) -> tuple[Runner, str, int | None]:
         import onnxruntime as ort
 
         try:
+            options = ort.SessionOptions()
+            # intra-op threads sleep when idle instead of spin-waiting: the spinning burnt ~20 CPU ms per image of
+            # SSDlite320 at one image per call (51 vs 29 CPU ms, 2 cores, loaded: benchmarks/serve_profile.py,
+            # docs/measurements.md), cores the decoding threads of serve and predict need
+            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
             if path.name.endswith(".int8.onnx"):
                 from detpipe.export.formats import int8_session
 
-                session = int8_session(path)
+                session = int8_session(path, options)
             else:
-                session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+                session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
         except Exception as e:  # noqa: BLE001 - onnxruntime raises its own error types for bad files
             raise StageError(f"{path}: not a loadable ONNX model ({type(e).__name__}: {e})") from None
         names = [o.name for o in session.get_outputs()][:3]
