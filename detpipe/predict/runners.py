@@ -68,6 +68,7 @@ def load_runner(model_path: Path | str) -> tuple[Runner, str, int | None]:
                     for b, s, lab, *_ in many(images)]
         # a one-image graph: `detpipe.serve.batcher.Batcher` answers each image at once; a batched one: one call
         run_onnx.per_image = size is None
+        run_onnx.session = session   # (its options: tests/unit/test_onnx_runner_threads.py)
         kind = "int8 QDQ" if path.name.endswith(".int8.onnx") else "float32"
         return run_onnx, f"onnxruntime {ort.__version__} {kind} ({path})", None
     if path.suffix == ".xml":
