@@ -178,7 +178,7 @@ for _name, _build in (("learns_prepared", _learns_prepared), ("fitted_workdir", 
 # by those tests, never queued.
 PREBUILT = ("trained_workdir", "reproduced_repo", "learns_detr_prepared", "fitted_workdir", "learns[labels+1]",
             "learns[boxes*2]", "fitted_detr_workdir", "learns_detr[labels+1]", "fitted_dfine_workdir",
-            "learns_dfine[labels+1]", "two_rank_workdir", "prefect_api",
+            "two_rank_workdir", "prefect_api",
             "killed_run", "workers_team")
 BUILT_FIRST_BY_TESTS = ("cached_workdir", "s3_server")
 # Modules run after the other tests of their level (tests/unit, tests/stages, tests/system: pyproject's testpaths),
