@@ -178,7 +178,7 @@ for _name, _build in (("learns_prepared", _learns_prepared), ("fitted_workdir", 
 # by those tests, never queued.
 PREBUILT = ("trained_workdir", "reproduced_repo", "learns_detr_prepared", "fitted_workdir", "learns[labels+1]",
             "learns[boxes*2]", "fitted_detr_workdir", "learns_detr[labels+1]", "fitted_dfine_workdir",
-            "learns_dfine[labels+1]", "two_rank_workdir", "prefect_api",
+            "two_rank_workdir", "prefect_api",
             "killed_run", "workers_team")
 BUILT_FIRST_BY_TESTS = ("cached_workdir", "s3_server")
 # Modules run after the other tests of their level (tests/unit, tests/stages, tests/system: pyproject's testpaths),
@@ -196,6 +196,10 @@ RUN_LATE = ("tests/stages/test_learns.py", "tests/stages/test_predict.py", "test
 ONE_WORKER = ("tests/system/test_cluster.py", "tests/system/test_elastic.py", "tests/system/test_distributed.py",
               "tests/system/test_flows.py", "tests/system/test_workers.py")
 ONE_WORKER_GROUP = "cluster_and_prefect"
+# Under pytest-xdist, sent right after the `ONE_WORKER` unit (so to the other worker, at the start): the longest
+# module outside it (the 8-trial search, ~6 min of one test). In level and file order it came among the last units
+# of the run, where ~6 minutes of one test end the run while the other worker has nothing left to take.
+RUN_EARLY = ("tests/system/test_search.py",)
 
 
 def _unit(nodeid: str) -> str:
@@ -226,7 +230,7 @@ def pytest_collection_modifyitems(session, config, items):
     def key(item):
         path = item.nodeid.split("::")[0]
         level = next((n for n, top in enumerate(levels) if path.startswith(top + "/")), len(levels))
-        return (xdist and path not in ONE_WORKER), level, path in RUN_LATE
+        return (xdist and path not in ONE_WORKER), (xdist and path not in RUN_EARLY), level, path in RUN_LATE
 
     items.sort(key=key)     # stable: file order otherwise
 

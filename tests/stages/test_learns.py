@@ -115,33 +115,19 @@ def _detr_trained_on_broken_cache(factory):
 prebuild.register("learns_detr[labels+1]", _detr_trained_on_broken_cache, fixture="learns_detr_broken")
 
 
-def _dfine_trained_on_broken_cache(factory):
-    """As `_detr_trained_on_broken_cache`, for D-FINE: `learns_dfine_prepared` (`support.pipeline.LEARNS_DFINE`,
-    the cache the clean fixture trains on) copied, not augmented again."""
-    work = factory.mktemp("learns_dfine_broken") / "w"
-    shutil.copytree(prebuild.get("learns_dfine_prepared"), work)
-    corrupt_train_cache(work, "labels+1")
-    stage_cli("train", work, timeout=1800)
-    stage_cli("evaluate", work)
-    return work
-
-
-prebuild.register("learns_dfine[labels+1]", _dfine_trained_on_broken_cache, fixture="learns_dfine_broken")
-
-
-@pytest.fixture(scope="module")
-def learns_dfine_broken(learns_prepared):
-    """The work directory of `_dfine_trained_on_broken_cache` (built in the background, or on first use)."""
-    return prebuild.get("learns_dfine[labels+1]")
+# D-FINE's fit is proven once, clean (its own head, loss and 192 px cache): the labels+1 must-fail is not repeated
+# for it. Labels reach D-FINE and RT-DETRv2 through one code path (`detpipe.models.transformers_family`'s wrapper:
+# ``class_labels = labels - 1`` in, ``label + 1`` out of the shared `postprocess`; the same evaluate stage), whose
+# must-fail is `test_rtdetr_fits_a_handful_of_images[labels+1]` (and SSDlite's in `test_detector_fits_a_handful_of_images`).
+# A D-FINE labels+1 training (300 iterations at 192 px) cost ~92 s of CI for no code path the RT-DETRv2 one misses.
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("broken", [None, "labels+1"])
-def test_dfine_fits_a_handful_of_images(request, broken):
+def test_dfine_fits_a_handful_of_images(fitted_dfine_workdir):
     """D-FINE (dfine_tiny, random init, 192 px, `support.pipeline.LEARNS_DFINE`) fits the 4 images: the evaluate
-    stage's AP50 >= DETR_AP50_MIN; with the training cache's labels shifted by one class it stays below."""
-    _assert_detr_fit(request.getfixturevalue("fitted_dfine_workdir" if broken is None else "learns_dfine_broken"),
-                     "dfine_tiny", broken)
+    stage's AP50 >= DETR_AP50_MIN (measured 1.000; with the training cache's labels shifted by one class it stayed at
+    0.209, docs/train.md: that must-fail is RT-DETRv2's, over the same label path)."""
+    _assert_detr_fit(fitted_dfine_workdir, "dfine_tiny", None)
 
 
 @pytest.fixture(scope="module")
