@@ -278,14 +278,20 @@ def mixup(a: Sample, b: Sample, ratio: float) -> Sample:
                        torch.cat([a["labels"], b["labels"]]), masks)
 
 
-def _occluded_boxes(boxes: torch.Tensor, masks: torch.Tensor, occluded: torch.Tensor) -> torch.Tensor:
-    """``boxes`` float32 ``(N, 4)`` XYXY with the rows ``occluded`` (bool ``(N,)``) replaced by the pixel bounds of
-    ``masks`` ``(N, H, W)`` (non-empty there): ``torchvision.ops.masks_to_boxes`` + 1 on x2 and y2."""
+def _mask_bounds(masks: torch.Tensor) -> torch.Tensor:
+    """Pixel bounds of non-empty ``masks`` ``(N, H, W)``: float32 ``(N, 4)`` XYXY, ``torchvision.ops.masks_to_boxes``
+    + 1 on x2 and y2 (it returns the last pixel's index; a box ends at that pixel's far edge)."""
     from torchvision.ops import masks_to_boxes
 
+    return masks_to_boxes(masks) + torch.tensor([0.0, 0.0, 1.0, 1.0], device=masks.device)
+
+
+def _occluded_boxes(boxes: torch.Tensor, masks: torch.Tensor, occluded: torch.Tensor) -> torch.Tensor:
+    """``boxes`` float32 ``(N, 4)`` XYXY with the rows ``occluded`` (bool ``(N,)``) replaced by the pixel bounds of
+    ``masks`` ``(N, H, W)`` (non-empty there, `_mask_bounds`)."""
     boxes = boxes.clone()
     if bool(occluded.any()):
-        boxes[occluded] = masks_to_boxes(masks[occluded]) + torch.tensor([0.0, 0.0, 1.0, 1.0], device=boxes.device)
+        boxes[occluded] = _mask_bounds(masks[occluded])
     return boxes
 
 
@@ -302,8 +308,6 @@ def boxes_from_masks(sample: Sample, recompute: bool = True) -> Sample:
     from the transformed segments, ``segment2box``). `TrainTransforms` calls it last (before the flip, which moves
     both exactly) on every sample an op touched; no random draw, so resume stays exact. Runs on the tensors'
     device."""
-    from torchvision.ops import masks_to_boxes
-
     masks = sample["masks"].as_subclass(torch.Tensor)
     keep = masks.flatten(1).bool().any(1)  # an object whose mask an op cut or sampled away has nothing to learn from
     if not bool(keep.all()):
@@ -312,8 +316,8 @@ def boxes_from_masks(sample: Sample, recompute: bool = True) -> Sample:
                   for k, v in sample.items()}
         masks = masks[keep]
     if recompute and len(masks):
-        boxes = masks_to_boxes(masks) + torch.tensor([0.0, 0.0, 1.0, 1.0], device=masks.device)
-        sample = {**sample, "boxes": tv_tensors.wrap(boxes.to(sample["boxes"].dtype), like=sample["boxes"])}
+        boxes = _mask_bounds(masks).to(sample["boxes"].dtype)
+        sample = {**sample, "boxes": tv_tensors.wrap(boxes, like=sample["boxes"])}
     return sample
 
 
