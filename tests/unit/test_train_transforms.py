@@ -575,6 +575,18 @@ def test_resize_batch_equals_torchvisions_resize(masked):
     kept = masks.flatten(1).bool().any(1)
     assert torch.equal(targets[1]["masks"], masks[kept]) and torch.equal(targets[1]["labels"], target["labels"][kept])
     assert _assert_boxes_on_masks(targets[1], "resize_batch") >= 0 and targets[1]["image_id"] == 7
+    # shrunk to 24 px, thin objects' masks vanish: dropped with their boxes and added to the target's count
+    gone = 0
+    for j in range(len(masked)):
+        s = masked.cached_sample(j, 0)
+        t = {"boxes": _plain(s["boxes"]), "labels": s["labels"], "masks": _plain(s["masks"]),
+             "dropped": torch.tensor(2)}
+        out = tt.resize_batch([_plain(s["image"]).float() / 255], [t], 24)[1][0]
+        kept = F.resize(t["masks"], [24, 24], interpolation=v2.InterpolationMode.NEAREST).flatten(1).bool().any(1)
+        assert torch.equal(out["labels"], t["labels"][kept]) and int(out["dropped"]) == 2 + int((~kept).sum())
+        _assert_boxes_on_masks(out, f"resize_batch 24 px, sample {j}")
+        gone += int((~kept).sum())
+    assert gone > 0
 
 
 def test_the_trainer_resizes_each_step_to_its_drawn_size(masked):
