@@ -29,7 +29,10 @@ with ``border = -s/2``); `mixup` blends two samples with ratio ~ Beta(32, 32) an
 the sample, cuts the covered pixels out of the sample's own masks, re-derives the boxes of the objects it occluded
 from what is left of their masks with ``torchvision.ops.masks_to_boxes`` and drops the objects it covered entirely
 (Ghiasi et al. 2021, "Simple Copy-Paste is a Strong Data Augmentation Method for Instance Segmentation",
-arXiv:2012.07177, without its scale jitter; Ultralytics' ``copy_paste``). Mask datasets only.
+arXiv:2012.07177, without its scale jitter; Ultralytics' ``copy_paste``). Mask datasets only. With masks, every box
+of a sample the ops touched is then its mask's pixel bounds and objects with an empty mask are dropped
+(`boxes_from_masks`, detectron2's ``recompute_boxes``): v2's clamped box of an object cut at a border is larger
+than the visible mask when the object is not a rectangle.
 
 Determinism: every random draw is a function of ``(seed, epoch, sample index, op)`` only: each op runs under
 ``torch.random.fork_rng`` with ``torch.manual_seed(draw_seed(seed, epoch, i, op))`` (v2 transforms draw from torch's
