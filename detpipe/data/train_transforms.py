@@ -29,7 +29,10 @@ with ``border = -s/2``); `mixup` blends two samples with ratio ~ Beta(32, 32) an
 the sample, cuts the covered pixels out of the sample's own masks, re-derives the boxes of the objects it occluded
 from what is left of their masks with ``torchvision.ops.masks_to_boxes`` and drops the objects it covered entirely
 (Ghiasi et al. 2021, "Simple Copy-Paste is a Strong Data Augmentation Method for Instance Segmentation",
-arXiv:2012.07177, without its scale jitter; Ultralytics' ``copy_paste``). Mask datasets only.
+arXiv:2012.07177, without its scale jitter; Ultralytics' ``copy_paste``). Mask datasets only. With masks, every box
+of a sample the ops touched is then its mask's pixel bounds and objects with an empty mask are dropped
+(`boxes_from_masks`, detectron2's ``recompute_boxes``): v2's clamped box of an object cut at a border is larger
+than the visible mask when the object is not a rectangle.
 
 Determinism: every random draw is a function of ``(seed, epoch, sample index, op)`` only: each op runs under
 ``torch.random.fork_rng`` with ``torch.manual_seed(draw_seed(seed, epoch, i, op))`` (v2 transforms draw from torch's
@@ -50,8 +53,8 @@ from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
 __all__ = ["Recipe", "PRESETS", "default_augment", "resolve", "resolve_preset", "make_sample", "TrainTransforms",
-           "draw_seed", "mosaic", "mixup", "copy_paste", "per_image_ops", "multi_scale_sizes", "step_size",
-           "resize_batch"]
+           "draw_seed", "mosaic", "mixup", "copy_paste", "boxes_from_masks", "per_image_ops", "multi_scale_sizes",
+           "step_size", "resize_batch"]
 
 PRESET_NAMES = ("flip", "ssd", "detr", "yolo")
 SSD_MEAN_FILL = (123, 117, 104)
@@ -278,15 +281,47 @@ def mixup(a: Sample, b: Sample, ratio: float) -> Sample:
                        torch.cat([a["labels"], b["labels"]]), masks)
 
 
-def _occluded_boxes(boxes: torch.Tensor, masks: torch.Tensor, occluded: torch.Tensor) -> torch.Tensor:
-    """``boxes`` float32 ``(N, 4)`` XYXY with the rows ``occluded`` (bool ``(N,)``) replaced by the pixel bounds of
-    ``masks`` ``(N, H, W)`` (non-empty there): ``torchvision.ops.masks_to_boxes`` + 1 on x2 and y2."""
+def _mask_bounds(masks: torch.Tensor) -> torch.Tensor:
+    """Pixel bounds of non-empty ``masks`` ``(N, H, W)``: float32 ``(N, 4)`` XYXY, ``torchvision.ops.masks_to_boxes``
+    + 1 on x2 and y2 (it returns the last pixel's index; a box ends at that pixel's far edge)."""
     from torchvision.ops import masks_to_boxes
 
+    return masks_to_boxes(masks) + torch.tensor([0.0, 0.0, 1.0, 1.0], device=masks.device)
+
+
+def _occluded_boxes(boxes: torch.Tensor, masks: torch.Tensor, occluded: torch.Tensor) -> torch.Tensor:
+    """``boxes`` float32 ``(N, 4)`` XYXY with the rows ``occluded`` (bool ``(N,)``) replaced by the pixel bounds of
+    ``masks`` ``(N, H, W)`` (non-empty there, `_mask_bounds`)."""
     boxes = boxes.clone()
     if bool(occluded.any()):
-        boxes[occluded] = masks_to_boxes(masks[occluded]) + torch.tensor([0.0, 0.0, 1.0, 1.0], device=boxes.device)
+        boxes[occluded] = _mask_bounds(masks[occluded])
     return boxes
+
+
+def boxes_from_masks(sample: Sample, recompute: bool = True) -> Sample:
+    """``sample`` (with ``masks`` uint8 ``(N, H, W)``) without the objects whose mask has no pixel left, and with
+    ``recompute`` every box replaced by its mask's pixel bounds: ``torchvision.ops.masks_to_boxes`` + 1 on x2 and y2
+    (it returns the last pixel's index; a box ends at that pixel's far edge), float32 XYXY pixels.
+
+    Why: v2 transforms boxes and masks separately, so an object that a crop, zoom or mosaic tile cuts keeps the
+    clamped box, larger than what is left of its mask when the object is not a rectangle (an L-shaped object cut
+    by the crop edge), and nearest-neighbour resampling moves a mask edge by up to a source pixel. What the field
+    does for instance masks after geometric ops: detectron2's ``DatasetMapper`` (``recompute_boxes``:
+    ``gt_masks.get_bounding_boxes()``, then ``filter_empty_instances``), Ultralytics' ``random_perspective`` (boxes
+    from the transformed segments, ``segment2box``). `TrainTransforms` calls it last (before the flip, which moves
+    both exactly) on every sample an op touched; no random draw, so resume stays exact. Runs on the tensors'
+    device."""
+    masks = sample["masks"].as_subclass(torch.Tensor)
+    keep = masks.flatten(1).bool().any(1)  # an object whose mask an op cut or sampled away has nothing to learn from
+    if not bool(keep.all()):
+        sample = {k: (tv_tensors.wrap(v.as_subclass(torch.Tensor)[keep], like=v)
+                      if isinstance(v, tv_tensors.TVTensor) and k != "image" else v[keep] if k != "image" else v)
+                  for k, v in sample.items()}
+        masks = masks[keep]
+    if recompute and len(masks):
+        boxes = _mask_bounds(masks).to(sample["boxes"].dtype)
+        sample = {**sample, "boxes": tv_tensors.wrap(boxes, like=sample["boxes"])}
+    return sample
 
 
 def copy_paste(dst: Sample, src: Sample, pick: torch.Tensor) -> tuple[Sample, int]:
@@ -345,8 +380,9 @@ def step_size(recipe: Recipe, seed: int, epoch: int, iteration: int, base: int) 
 def resize_batch(images: list[torch.Tensor], targets: list[dict], size: int) -> tuple[list[torch.Tensor], list[dict]]:
     """Every image resized to ``size`` x ``size`` pixels with v2 ``F.resize`` (bilinear, antialias), its target's
     ``boxes`` (float32 ``(N, 4)`` XYXY pixels, as ``BoundingBoxes``) and ``masks`` (uint8 ``(N, H, W)``, nearest)
-    by the same call; other target keys unchanged. Runs on the tensors' device (CPU or CUDA). Images float32
-    ``(3, H, W)`` (or uint8)."""
+    by the same call; with masks, the boxes are then the resized masks' bounds and objects whose mask vanished are
+    dropped (`boxes_from_masks`; counted in ``dropped`` when the target has it); other target keys unchanged. Runs
+    on the tensors' device (CPU or CUDA). Images float32 ``(3, H, W)`` (or uint8)."""
     out_i, out_t = [], []
     for image, target in zip(images, targets):
         h, w = image.shape[-2:]
@@ -358,8 +394,15 @@ def resize_batch(images: list[torch.Tensor], targets: list[dict], size: int) -> 
         out_i.append(F.resize(image, [size, size], antialias=True))
         t["boxes"] = F.resize(tv_tensors.BoundingBoxes(target["boxes"], format="XYXY", canvas_size=(h, w)),
                               [size, size]).as_subclass(torch.Tensor)
-        if "masks" in target:
-            t["masks"] = F.resize(tv_tensors.Mask(target["masks"]), [size, size]).as_subclass(torch.Tensor)
+        if "masks" in target:  # nearest-neighbour masks move by up to a pixel: boxes from them (`boxes_from_masks`)
+            fit = boxes_from_masks({"boxes": tv_tensors.BoundingBoxes(t["boxes"], format="XYXY",
+                                                                      canvas_size=(size, size)),
+                                    "labels": target["labels"],
+                                    "masks": F.resize(tv_tensors.Mask(target["masks"]), [size, size])})
+            gone = len(target["labels"]) - len(fit["labels"])
+            t.update({k: v.as_subclass(torch.Tensor) if k != "labels" else v for k, v in fit.items()})
+            if gone and "dropped" in t:
+                t["dropped"] = t["dropped"] + gone
         out_t.append(t)
     return out_i, out_t
 
@@ -413,8 +456,10 @@ class TrainTransforms:
         the input, boxes XYXY pixels, sanitized by v2 ``SanitizeBoundingBoxes(min_size=1)``) and how many boxes
         the ops removed (objects of mixed-in partners and pasted objects count as added, so ``dropped`` is
         ``inputs - outputs`` over every sample that went in, never negative; an object copy-paste covered entirely
-        counts as dropped). With masks, an object whose mask no op left a pixel of
-        (a thin object shrunk by nearest-neighbour sampling) is dropped as well."""
+        counts as dropped). With masks (`boxes_from_masks`), an object whose mask no op left a pixel of (cut away,
+        or a thin object shrunk by nearest-neighbour sampling) is dropped as well, and every box of a sample the
+        ops ran on is its mask's pixel bounds (so boxes and masks agree after crops, zoom, mosaic and resizes; a
+        sample in a closing epoch, which no op touched, keeps its cached boxes)."""
         r = self.recipe
         size = tuple(sample["image"].shape[-2:])
         n_in = len(sample["labels"])
@@ -443,12 +488,8 @@ class TrainTransforms:
                 pick = torch.from_numpy(rng.random(len(src["labels"])) < 0.5).to(src["labels"].device)
                 out, _ = copy_paste(out, src, pick)
                 pasted = int(pick.sum())
-        if "masks" in out:  # an object whose mask a shrinking op sampled away has nothing left to learn from
-            keep = out["masks"].flatten(1).bool().any(1)
-            if not bool(keep.all()):
-                out = {k: (tv_tensors.wrap(v.as_subclass(torch.Tensor)[keep], like=v)
-                           if isinstance(v, tv_tensors.TVTensor) and k != "image" else v[keep] if k != "image" else v)
-                       for k, v in out.items()}
+        if "masks" in out:
+            out = boxes_from_masks(out, recompute=out is not sample)
         if flip:
             out = {k: (F.horizontal_flip(v) if k != "labels" else v) for k, v in out.items()}
         return out, n_in + sum(loaded) + pasted - len(out["labels"])
