@@ -194,7 +194,8 @@ def test_onnx_export_passes_the_parity_gate_on_the_family_taps(tmp_path, name):
     """The export stage's functions on the family's model: the ONNX file's raw outputs (the encoder's class logits
     and boxes over every anchor) equal eager's within the stage's default rtol; a changed weight in the eager
     model fails the same gate (so it is no tautology)."""
-    from detpipe.export.exporter import DetectionExport, export_onnx, parity, split_outputs
+    from detpipe.export.exporter import DetectionExport, export_onnx
+    from detpipe.export.parity import parity, split_outputs
     torch.manual_seed(0)
     model = build_model(name, 4, size=128).eval()
     model._detpipe_name = name
