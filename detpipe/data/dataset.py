@@ -40,7 +40,7 @@ from detpipe.data.cache_format import INDEX_FILE
 from detpipe.data.streaming import ShardPrefetcher, wait_for_shard
 from detpipe.data.train_transforms import TrainTransforms, make_sample
 
-__all__ = ["CachedDetectionDataset", "ResumableDistributedSampler", "collate", "uses_masks", "check_cache_masks",
+__all__ = ["CachedDetectionDataset", "ResumableDistributedSampler", "collate", "check_cache_masks",
            "micro_batches", "decode_images"]
 
 _INDEX_COLUMNS = ("image_id", "variant", "height", "width", "orig_height", "orig_width", "scale_y", "scale_x",
@@ -584,14 +584,6 @@ def collate(batch: list[tuple[torch.Tensor, dict]]) -> tuple[list[torch.Tensor],
     take them (images may differ in size)."""
     images, targets = zip(*batch)
     return list(images), list(targets)
-
-
-def uses_masks(model: torch.nn.Module) -> bool:
-    """Whether a detection model trains on and predicts instance masks, as its family says
-    (`detpipe.models.family.Family.uses_masks`: torchvision's Mask R-CNN, whose ``roi_heads`` has a mask head);
-    such a model needs ``with_masks=True`` data."""
-    from detpipe.models.family import family_of_model
-    return bool(family_of_model(model).uses_masks(model))
 
 
 def check_cache_masks(cache_meta: dict, model_name: str, where: str = "data/cache/meta.json") -> None:

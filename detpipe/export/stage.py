@@ -42,7 +42,7 @@ from typing import Callable
 import torch
 
 from detpipe import params as params_mod
-from detpipe.data.dataset import CachedDetectionDataset, uses_masks
+from detpipe.data.dataset import CachedDetectionDataset
 from detpipe.core.errors import StageError
 from detpipe.export.batched import BATCH_UNSUPPORTED, batch_kind, input_size
 from detpipe.export.exporter import (TORCH_EXPORT_UNSUPPORTED, DetectionExport, export_onnx, export_onnx_batched,
@@ -52,7 +52,7 @@ from detpipe.export.parity import parity, split_outputs
 from detpipe.export.formats import (accuracy_gate, calibration_images, coco_ap, export_openvino, quantize_int8,
                                     val_results, score_head_nodes)
 from detpipe.core.files import atomic_dir, atomic_write_bytes, atomic_write_json, temp_prefix
-from detpipe.models import load_model
+from detpipe.models import load_model, uses_masks
 from detpipe.core.paths import ARROW_DIR, CACHE_DIR, EXPORT_METRICS, METRICS, MODEL, MODELS_DIR
 
 log = logging.getLogger(__name__)

@@ -28,13 +28,12 @@ from PIL import Image
 from torchvision.ops import box_iou
 
 from detpipe import params as params_mod
-from detpipe.data.dataset import uses_masks
 from detpipe.data.imageio import decode_rgb
 from detpipe.core.errors import StageError
 from detpipe.export.batched import session_runner
 from detpipe.export.exporter import DetectionExport
 from detpipe.export.parity import parity, split_outputs
-from detpipe.models import load_model
+from detpipe.models import load_model, uses_masks
 from detpipe.predict import data_meta, predict, prepare
 from support.pipeline import COCO128, LEARNS_IMAGE_IDS, set_params, stage_cli
 from support.procs import run

@@ -16,11 +16,6 @@ _spec.loader.exec_module(ci_imports)
 code_closure, project_file = ci_imports.code_closure, ci_imports.project_file
 
 KNOWN_CYCLES = [
-    # models' family registry <-> its families, and data <-> models (the loader asks a model its family): function-
-    # level imports in detpipe/models/ and detpipe/data/train_transforms.py, left for the helpers who own them.
-    {"detpipe/data/dataset.py", "detpipe/data/train_transforms.py", "detpipe/models/__init__.py",
-     "detpipe/models/family.py", "detpipe/models/hf_weights.py", "detpipe/models/torchvision_family.py",
-     "detpipe/models/transformers_family.py"},
     # serve's package holds Limits, which its app imports; the package starts the app (function-level import).
     {"detpipe/serve/__init__.py", "detpipe/serve/app.py"},
 ]

@@ -12,10 +12,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from detpipe.data.dataset import uses_masks
 from detpipe.core.errors import StageError
 from detpipe.export.exporter import raw_taps, torch_export_supported
-from detpipe.models import build_model, family_of, family_of_model, model_kwargs, optimizer_recipe
+from detpipe.models import build_model, family_of, family_of_model, model_kwargs, optimizer_recipe, uses_masks
 from detpipe.models.transformers_family import CONFIGS, PAPER_PARAMS_M, postprocess
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "train.md"
