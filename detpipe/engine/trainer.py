@@ -29,7 +29,9 @@ from detpipe import params as params_mod
 from detpipe.engine.checkpoints import (FORMAT, find_resume_state, fingerprint, list_checkpoints,
                                        remove_partial_saves, rng_state, save_atomic, schedule_changes,
                                        schedule_params, set_rng_state)
-from detpipe.data.dataset import CachedDetectionDataset, ResumableDistributedSampler, micro_batches
+from detpipe.data.dataset import CachedDetectionDataset
+from detpipe.data.loader import micro_batches
+from detpipe.data.sampler import ResumableDistributedSampler
 from detpipe.data.train_transforms import TrainTransforms, resize_batch, resolve as resolve_augment, step_size
 from detpipe.data.meta import read_meta, read_meta_bytes
 from detpipe.core.distributed import setup_distributed

@@ -151,7 +151,7 @@ def _wait_for_listener(port: int, proc: subprocess.Popen, timeout: float = 120, 
 def test_epoch_plan_matches_plain_schedule_and_finishes_a_resized_epoch():
     """`EpochPlan` without a change of world size is the plain ``divmod`` schedule; after one it finishes the
     interrupted epoch first (its length read from the sampler) and then counts whole epochs."""
-    from detpipe.data.dataset import ResumableDistributedSampler
+    from detpipe.data.sampler import ResumableDistributedSampler
     from detpipe.engine.elastic import EpochPlan
 
     plain = EpochPlan(iters_per_epoch=4, per_step=2)
