@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torchvision
@@ -20,11 +20,25 @@ def exportable_batched_nms() -> Iterator[None]:
     number of boxes. Same result: the coordinate trick of ``torchvision.ops.boxes._batched_nms_coordinate_trick``
     (offset each class's boxes by ``class * (max coordinate + 1)``, one NMS), with 0 appended before the max so
     an empty input needs no special case."""
-    from torchvision.ops import boxes as box_ops
-
     def batched_nms(boxes, scores, idxs, iou_threshold):
-        top = torch.cat([boxes.flatten(), boxes.new_zeros(1)]).max()
-        return torchvision.ops.nms(boxes + (idxs.to(boxes) * (top + 1))[:, None], scores, iou_threshold)
+        return torchvision.ops.nms(_offset_by_class(boxes, idxs), scores, iou_threshold)
+
+    with _batched_nms_replaced(batched_nms):
+        yield
+
+
+def _offset_by_class(boxes: torch.Tensor, idxs: torch.Tensor) -> torch.Tensor:
+    """torchvision's coordinate trick (``torchvision.ops.boxes._batched_nms_coordinate_trick``): ``boxes`` ``(N, 4)``
+    XYXY offset by ``class * (max coordinate + 1)`` so that one NMS never suppresses across classes; 0 is appended
+    before the max, so an empty input needs no branch on the (data-dependent) number of boxes."""
+    top = torch.cat([boxes.flatten(), boxes.new_zeros(1)]).max()
+    return boxes + (idxs.to(boxes) * (top + 1))[:, None]
+
+
+@contextlib.contextmanager
+def _batched_nms_replaced(batched_nms: Callable) -> Iterator[None]:
+    """``torchvision.ops.boxes.batched_nms`` is ``batched_nms`` inside the ``with`` block, torchvision's again after."""
+    from torchvision.ops import boxes as box_ops
 
     original = box_ops.batched_nms
     box_ops.batched_nms = batched_nms
@@ -82,9 +96,7 @@ def onnx_postprocess(model: torch.nn.Module) -> Iterator[None]:
     def batched_nms(boxes, scores, idxs, iou_threshold):
         if not caps:
             return original(boxes, scores, idxs, iou_threshold)
-        top = torch.cat([boxes.flatten(), boxes.new_zeros(1)]).max()   # 0 appended: no branch for no boxes
-        return _CappedNMS.apply(boxes + (idxs.to(boxes) * (top + 1))[:, None], scores, float(iou_threshold),
-                                caps[-1])
+        return _CappedNMS.apply(_offset_by_class(boxes, idxs), scores, float(iou_threshold), caps[-1])
 
     def capped(method, attr, owner):
         @functools.wraps(method)
@@ -103,10 +115,9 @@ def onnx_postprocess(model: torch.nn.Module) -> Iterator[None]:
         if owner is not None and hasattr(owner, name) and hasattr(owner, attr):
             patched.append((owner, name))
             setattr(owner, name, capped(getattr(owner, name), attr, owner))
-    box_ops.batched_nms = batched_nms
     try:
-        yield
+        with _batched_nms_replaced(batched_nms):
+            yield
     finally:
-        box_ops.batched_nms = original
         for owner, name in patched:
             delattr(owner, name)   # the instance attribute: the class's method again

@@ -20,9 +20,9 @@ import tempfile
 
 from detpipe.core.errors import StageError
 from detpipe.core.lifeline import LAUNCHER_PID_ENV
-from detpipe.core.net import bind_listener
+from detpipe.core.net import bind_listener, is_loopback
 from detpipe.launch.agent_patches import agent_fixes
-from detpipe.launch.torchrun_args import default_run_id, is_loopback, launch_env, node_args, parse_nnodes, torchrun_args
+from detpipe.launch.torchrun_args import default_run_id, launch_env, node_args, parse_nnodes, torchrun_args
 from detpipe.launch.worker_start import preload, prepare_fork, run_forked_worker, worker_start
 
 log = logging.getLogger("detpipe.launch.torchrun")

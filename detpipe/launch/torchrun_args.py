@@ -27,6 +27,7 @@ import socket
 import psutil
 
 from detpipe.core.errors import StageError
+from detpipe.core.net import is_loopback
 from detpipe.core.worker_env import COLLECTIVE_TIMEOUT_ENV
 
 AGENT_MODULE = "detpipe.launch.torchrun"
@@ -44,16 +45,6 @@ def parse_nnodes(spec: str) -> tuple[int, int]:
     if not 1 <= lo_n <= hi_n:
         raise StageError(f"params.yaml: train.nnodes {spec!r}: need 1 <= MIN <= MAX")
     return lo_n, hi_n
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` is ``localhost`` or a loopback IP address (127.0.0.0/8, ::1)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def local_addresses() -> set[str]:
