@@ -1,7 +1,7 @@
 """Benchmark: does the train-time augmentation keep up with training? Loader images/s with each ``train.augment``
 preset ÷ the images/s a training step of ``ssdlite320_mobilenet_v3_large`` consumes, same machine, same run.
 
-* loader: `detpipe.data.dataset.micro_batches` over the default JPEG cache of COCO128's train split (fixed 320),
+* loader: `detpipe.data.loader.micro_batches` over the default JPEG cache of COCO128's train split (fixed 320),
   batch ``--batch-size`` (16), ``--workers`` DataLoader processes (0: in the training process), hflip 0.5, the
   preset's `detpipe.data.train_transforms.TrainTransforms` (``flip``: none, the dataset's fast path; ``yolo``:
   mosaic 1 and, here, mixup 0.5 so that both multi-image ops are timed); at least ``--min-seconds`` per preset
@@ -33,7 +33,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks._workdir import temporary_workdir  # noqa: E402
-from detpipe.data.dataset import CachedDetectionDataset, ResumableDistributedSampler, micro_batches  # noqa: E402
+from detpipe.data.dataset import CachedDetectionDataset  # noqa: E402
+from detpipe.data.loader import micro_batches  # noqa: E402
+from detpipe.data.sampler import ResumableDistributedSampler  # noqa: E402
 from detpipe.data.train_transforms import TrainTransforms, resolve_preset  # noqa: E402
 
 PRESETS = ("flip", "ssd", "detr", "yolo")

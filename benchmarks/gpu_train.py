@@ -3,7 +3,7 @@ same model, batch, network input size and device, same run. Goal >= 1.3 (on a GP
 
 * ours: `detpipe.engine.trainer.build_trainer` + ``Trainer.train`` as the train stage runs them in one process (DDP
   off): the augment stage's cache (default: JPEG, fixed 320, decoded by nvJPEG on the GPU inside
-  `detpipe.data.dataset.micro_batches`), `ResumableDistributedSampler`, every default hook (LR schedule, DVCLive
+  `detpipe.data.loader.micro_batches`), `ResumableDistributedSampler`, every default hook (LR schedule, DVCLive
   metrics, progress, checkpoints: none falls in the timed window), ``train.amp: fp16`` with ``--amp on``.
 * reference: a reimplementation of torchvision's ``references/detection`` recipe (not installed here; the code
   below follows it step by step):

@@ -1,4 +1,4 @@
-"""Benchmark (the loader's nvJPEG row): training-input images/s of `detpipe.data.dataset.micro_batches` over the
+"""Benchmark (the loader's nvJPEG row): training-input images/s of `detpipe.data.loader.micro_batches` over the
 default JPEG cache with its images decoded on the GPU by nvJPEG (``decode_device`` = ``cuda:0``, what the trainer
 passes on a GPU) ÷ the same loader decoding on the CPU (libjpeg-turbo in the loader, images then copied to the GPU
 as the trainer does), same images, sampler, batch size, flips and ``num_workers``, same run.
@@ -24,7 +24,9 @@ import time
 import torch
 
 from benchmarks._workdir import temporary_workdir
-from detpipe.data.dataset import CachedDetectionDataset, ResumableDistributedSampler, micro_batches
+from detpipe.data.dataset import CachedDetectionDataset
+from detpipe.data.loader import micro_batches
+from detpipe.data.sampler import ResumableDistributedSampler
 
 SKIP_LINE = "nvjpeg: skipped: CUDA is not available (torch.cuda.is_available() is False); no GPU decode to measure"
 

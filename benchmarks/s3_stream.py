@@ -6,7 +6,7 @@ bucket), so that the split (506 MB raw) is twice ``train.cache_local_bytes`` (``
 and every epoch fetches its shards again, as with a real dataset larger than the local folder. A TCP proxy in front
 of the server (tests/support/delay_proxy.py, in this process) holds back the first byte of every response for D ms
 (AWS S3 from EC2: typically 20-50 ms first-byte latency) and counts requests and the most in flight at once. Both
-sides run `detpipe.data.dataset.micro_batches` — the training input — with the same batch size, workers and
+sides run `detpipe.data.loader.micro_batches` — the training input — with the same batch size, workers and
 sampler (shard-aware, seed 0): over the URL (whole shards prefetched into a bounded local folder by
 `detpipe.data.streaming.ShardPrefetcher`, its depth adapting to latency x consumption) and over the local cache
 folder. Each measurement skips one warm-up step, then times at least ``--epochs`` epochs.
@@ -48,7 +48,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from benchmarks._workdir import cached_workdir  # noqa: E402
 from detpipe import params as params_mod  # noqa: E402
-from detpipe.data.dataset import CachedDetectionDataset, ResumableDistributedSampler, micro_batches  # noqa: E402
+from detpipe.data.dataset import CachedDetectionDataset  # noqa: E402
+from detpipe.data.loader import micro_batches  # noqa: E402
+from detpipe.data.sampler import ResumableDistributedSampler  # noqa: E402
 from support.delay_proxy import DelayProxy  # noqa: E402
 from support.s3server import running_s3_server  # noqa: E402
 from detpipe.data.augment import build_cache  # noqa: E402

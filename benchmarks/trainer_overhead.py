@@ -19,7 +19,8 @@ from torch.utils.data import DataLoader
 
 from benchmarks._workdir import cached_workdir
 from detpipe import params as params_mod
-from detpipe.data.dataset import ResumableDistributedSampler, collate
+from detpipe.data.dataset import collate
+from detpipe.data.sampler import ResumableDistributedSampler
 from detpipe.engine.train_loop import HookBase
 
 

@@ -1,6 +1,6 @@
 """Seconds of one short train stage run (``python -m stages.train``: launcher, torchrun's agent, the workers, a few
 iterations): workers forked from the agent ÷ workers started as new interpreters (``exec``, plain torchrun), same
-workdir and params, same run (`detpipe.launch.torchrun.WORKER_START_ENV`). Goal < 1: the suite launches the train
+workdir and params, same run (`detpipe.launch.worker_start.WORKER_START_ENV`). Goal < 1: the suite launches the train
 stage about 165 times, mostly for a few iterations, so the workers' start-up is most of each launch.
 
 Each round runs both ways (alternating which goes first), from scratch (``checkpoints/`` and ``models/`` removed);

@@ -33,7 +33,7 @@ from detpipe.core.lifeline import die_with_launcher
 # Only light modules above (standard library only); the rest (torch, pydantic, pyarrow) is imported in `main`,
 # so that a worker started by exec is bound to its launcher before it imports them.
 
-# What torchrun's agent imports once before it forks the workers (`detpipe.launch.torchrun.WORKER_START_ENV`).
+# What torchrun's agent imports once before it forks the workers (`detpipe.launch.worker_start.WORKER_START_ENV`).
 WORKER_PRELOAD = ("detpipe.engine.trainer", "detpipe.core.distributed")
 
 
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     def prepare() -> None:
         from detpipe.engine.checkpoints import check_resume  # torch, not torchvision
         from detpipe.launch import jobs
-        from detpipe.launch.torchrun import prepare_fork, worker_start
+        from detpipe.launch.worker_start import prepare_fork, worker_start
 
         if worker_start() == "fork":
             prepare_fork()  # before anything runs in torch: the workers are forked from this process

@@ -3,7 +3,7 @@ so a process binds itself first thing, before heavy imports. The one ``prctl`` b
 used by `detpipe.orchestration.processes`'s guard).
 
 Users: a torchrun worker of a stage (`die_with_launcher`, called first thing by a forked worker,
-`detpipe.launch.torchrun.run_forked_worker`, and by ``python -m stages.train`` before it imports torch), so a
+`detpipe.launch.worker_start.run_forked_worker`, and by ``python -m stages.train`` before it imports torch), so a
 ``kill -9`` of the stage never leaves orphan workers writing checkpoints beside a rerun; the flow-run process
 started by serve or a Prefect worker (``flows/train.py``, see `detpipe.orchestration.processes`); a forked worker naming
 itself (`PR_SET_NAME`).

@@ -1,6 +1,8 @@
-"""The one way this project opens a server socket: `bind_listener` (torchrun's rendezvous store, the model server)."""
+"""The one way this project opens a server socket: `bind_listener` (torchrun's rendezvous store, the model server);
+`is_loopback`, the one test of a loopback host."""
 from __future__ import annotations
 
+import ipaddress
 import socket
 
 
@@ -27,3 +29,13 @@ def bind_listener(host: str = "127.0.0.1", port: int = 0, backlog: int | None = 
         sock.close()
         raise
     return sock
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is ``localhost`` or a loopback IP address (127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

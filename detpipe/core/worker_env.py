@@ -6,4 +6,4 @@ from __future__ import annotations
 
 COLLECTIVE_TIMEOUT_ENV = "DETPIPE_COLLECTIVE_TIMEOUT_S"
 """Environment variable carrying ``train.collective_timeout_s`` (seconds, a positive number) to the workers: set by
-`detpipe.launch.torchrun.launch_env`, read by `detpipe.core.distributed.collective_timeout_s`."""
+`detpipe.launch.torchrun_args.launch_env`, read by `detpipe.core.distributed.collective_timeout_s`."""

@@ -1,4 +1,4 @@
-"""Training/evaluation data from the augmentation cache (`detpipe.data.augment`): Dataset, sampler, collate.
+"""Training/evaluation data from the augmentation cache (`detpipe.data.augment`): the map-style dataset, collate.
 
 `CachedDetectionDataset` reads ``<root>/<split>/index.arrow`` (boxes, labels, sizes: small) at construction and
 each image's pixels on demand from its ``part-NNNNN.arrow`` shard. ``root`` is a local folder (shards are
@@ -6,50 +6,40 @@ memory-mapped: no copy until the float conversion) or a filesystem URL — anyth
 ``pyarrow.fs.FileSystem.from_uri`` understands (``s3://bucket/cache``, ``gs://…``, ``hdfs://…``, ``file:///…``)
 and otherwise any fsspec URL — so every node of a multi-node job can read one cache in object storage directly.
 Read directly, a remote shard is read one image's record batch (a byte range) at a time; training streams whole
-shards instead (`micro_batches` with a `detpipe.data.streaming.ShardPrefetcher`: background copies into a bounded local
-folder that the dataset then memory-maps).
+shards instead (`detpipe.data.loader.micro_batches` with a `detpipe.data.streaming.ShardPrefetcher`: background copies
+into a bounded local folder that the dataset then memory-maps). The files are read through
+`detpipe.data.cache_shards.CacheShards`; the training input (DataLoader, steps, streaming) is `detpipe.data.loader`;
+the train-time augmentation on the training device is `detpipe.data.batch_augment`.
 
 Pixels are stored raw (``uint8`` CHW) or JPEG-encoded (``augment.encoding``; the Arrow schema metadata of
 ``index.arrow`` says which); JPEG is decoded at load time with ``torchvision.io.decode_jpeg``, batched per
-DataLoader batch, or on the GPU by `micro_batches` (``decode_device``).
+DataLoader batch, or on the GPU by `detpipe.data.loader.micro_batches` (``decode_device``).
 
 Instance masks (Mask R-CNN) come only with ``with_masks=True``: box-only models never decode them.
 """
 from __future__ import annotations
 
-import collections
-import copy
-import os
-import warnings
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.fs as pafs
-import pyarrow.ipc as ipc
 import torch
 from pycocotools import mask as mask_utils
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 from torchvision.io import ImageReadMode, decode_jpeg
 
-from detpipe.core.files import filesystem as open_filesystem, is_url, redact_url
 from detpipe.core.errors import StageError
-from detpipe.data.sampler import ResumableDistributedSampler
 from detpipe.data.cache_format import INDEX_FILE
-from detpipe.data.streaming import ShardPrefetcher, wait_for_shard
+from detpipe.data.cache_shards import CacheShards
 from detpipe.data.train_transforms import TrainTransforms, make_sample
 
-__all__ = ["CachedDetectionDataset", "ResumableDistributedSampler", "collate", "uses_masks", "check_cache_masks",
-           "micro_batches", "decode_images"]
+__all__ = ["CachedDetectionDataset", "collate", "check_cache_masks", "decode_images"]
 
-_INDEX_COLUMNS = ("image_id", "variant", "height", "width", "orig_height", "orig_width", "scale_y", "scale_x",
-                  "offset_y", "offset_x", "boxes", "labels", "shard", "batch")
 _MASK_RULE = ("rule: mask models need a polygon or RLE segmentation for every non-crowd object; use data with "
               "masks or a box-only model")
 _FLIP_STREAM = 0x666C6970  # a constant third seed word, so flip draws do not reuse the sampler's stream
 ENCODINGS = ("raw", "jpeg")
-_OPEN_SHARDS = 16  # streamed shards a process keeps memory-mapped (older ones are closed: their copies get deleted)
 
 
 def decode_images(data: list[torch.Tensor], device: torch.device | str = "cpu") -> list[torch.Tensor]:
@@ -60,28 +50,6 @@ def decode_images(data: list[torch.Tensor], device: torch.device | str = "cpu") 
     if not data:
         return []
     return decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
-
-
-def _read_index(fs: pafs.FileSystem | None, split_dir: str) -> pa.Table:
-    path = f"{split_dir}/{INDEX_FILE}"
-    try:
-        if fs is None:
-            if not Path(path).is_file():
-                hint = " (a cache from an older augment stage?)" if any(Path(split_dir).glob("*.arrow")) else ""
-                raise StageError(f"{path}: not found{hint} (run the augment stage)")
-            with pa.memory_map(path) as f:
-                table = ipc.open_file(f).read_all()
-        else:
-            with fs.open_input_file(path) as f:
-                table = ipc.open_file(f).read_all()
-    except FileNotFoundError:
-        raise StageError(f"{path}: not found (run the augment stage)") from None
-    except pa.ArrowInvalid as e:
-        raise StageError(f"{path}: not a readable Arrow IPC file ({e})") from None
-    missing = [c for c in _INDEX_COLUMNS if c not in table.schema.names]
-    if missing:
-        raise StageError(f"{path}: missing column(s) {missing} (re-run the augment stage)")
-    return table
 
 
 def _list_offsets_values(col: pa.ChunkedArray, width: int, dtype) -> tuple[np.ndarray, np.ndarray]:
@@ -96,7 +64,7 @@ def _list_offsets_values(col: pa.ChunkedArray, width: int, dtype) -> tuple[np.nd
     return offsets - base, (flat.reshape(-1, width) if width else flat)
 
 
-class CachedDetectionDataset(Dataset):
+class CachedDetectionDataset(CacheShards, Dataset):
     """Detection samples from the augmentation cache, in the format torchvision detection models take.
 
     ``dataset[i]`` (``0 <= i < len(dataset)``, one per image) returns ``(image, target)``:
@@ -136,10 +104,10 @@ class CachedDetectionDataset(Dataset):
             draws are functions of ``(seed, epoch, i, op)`` too. The target then also holds ``dropped`` (``int64``
             scalar: boxes the ops removed, e.g. cut away by a crop). None: the flip only (the fast path).
 
-    Indices are ``i`` (current epoch, `set_epoch`) or ``(epoch, i)`` pairs, which is what `micro_batches` feeds the
+    Indices are ``i`` (current epoch, `set_epoch`) or ``(epoch, i)`` pairs, which is what `detpipe.data.loader.micro_batches` feeds the
     DataLoader, so worker processes kept alive across epochs never depend on a stale `set_epoch`.
     ``encoding`` (``"raw"`` or ``"jpeg"``) is the cache's pixel encoding; ``defer_decode = True`` (set by
-    `micro_batches` for GPU decoding) makes samples carry the JPEG bytes (1-D ``uint8``) and ``target["hflip"]``
+    `detpipe.data.loader.micro_batches` for GPU decoding) makes samples carry the JPEG bytes (1-D ``uint8``) and ``target["hflip"]``
     instead of pixels (boxes and masks are already flipped).
     Raises:
         StageError: no readable ``index.arrow`` under ``root/split``, or its rows are not grouped by image;
@@ -156,11 +124,9 @@ class CachedDetectionDataset(Dataset):
         self.image_dtype = image_dtype
         self.with_masks = bool(with_masks)
         self.transforms = transforms
-        self.root, self.split, self.hflip, self.seed, self.epoch = str(root), split, float(hflip), int(seed), 0
-        self._explicit_fs = filesystem
-        fs, base = open_filesystem(self.root, filesystem)
-        self._split_dir = f"{base}/{split}"
-        table = _read_index(fs, self._split_dir)
+        CacheShards.__init__(self, root, split, filesystem)
+        self.hflip, self.seed, self.epoch = float(hflip), int(seed), 0
+        table = self.read_index()
         schema_meta = table.schema.metadata or {}
         self.encoding = schema_meta.get(b"encoding", b"raw").decode()
         if self.encoding not in ENCODINGS:
@@ -168,8 +134,6 @@ class CachedDetectionDataset(Dataset):
                              f"(expected one of {ENCODINGS}; re-run the augment stage)")
         self.defer_decode = False
         self.defer_augment = False  # set by micro_batches: the transforms run there, on the training device
-        self.local_dir: str | None = None  # streamed shards: where the prefetcher puts them (`start_streaming`)
-        self.prefetcher: ShardPrefetcher | None = None  # set by `start_streaming` (micro_batches) while it streams
         col = lambda name: table.column(name).to_numpy()  # noqa: E731
         variant = col("variant").astype(np.int64)
         image_id = col("image_id").astype(np.int64)
@@ -188,10 +152,7 @@ class CachedDetectionDataset(Dataset):
         self._offset = np.stack([col("offset_y"), col("offset_x")], 1).astype(np.float64)
         self._box_off, self._boxes = _list_offsets_values(table.column("boxes"), 4, np.float32)
         self._lab_off, self._labels = _list_offsets_values(table.column("labels"), 0, np.int64)
-        shard = table.column("shard").combine_chunks().dictionary_encode()
-        self._shard_names: list[str] = shard.dictionary.to_pylist()
-        self._shard = shard.indices.to_numpy().astype(np.int64)
-        self._batch = col("batch").astype(np.int64)
+        self.index_shards(table)
         if self.with_masks:
             has = col("has_masks").astype(bool) if "has_masks" in table.schema.names else np.zeros(n_rows, bool)
             if not has.all():
@@ -199,9 +160,6 @@ class CachedDetectionDataset(Dataset):
                 first = int(image_id[~has][0])
                 raise StageError(f"{self._split_dir}/{INDEX_FILE}: {bad} of {n_rows} rows (first: image_id {first}) "
                                  f"have objects without an instance mask ({_MASK_RULE})")
-        self._readers: collections.OrderedDict[int, ipc.RecordBatchFileReader] = collections.OrderedDict()
-        self._fs = fs
-        self._pid = os.getpid()
         self._flips: tuple[int, np.ndarray] | None = None
 
     def __len__(self) -> int:
@@ -234,107 +192,11 @@ class CachedDetectionDataset(Dataset):
         for every epoch; it is what the shard-aware `ResumableDistributedSampler` takes as ``shards``."""
         return self._shard[np.arange(len(self)) * self.copies + (epoch + self.seed) % self.copies]
 
-    def shard_names(self) -> list[str]:
-        """File names of the split's shards (``part-NNNNN.arrow``), indexed as in `sample_shards`."""
-        return list(self._shard_names)
-
     def _split(self, index) -> tuple[int, int]:
         """``(epoch, i)`` of a DataLoader index (``i`` or an ``(epoch, i)`` pair)."""
         if isinstance(index, (tuple, list)):
             return int(index[0]), int(index[1])
         return self.epoch, int(index)
-
-    def __getstate__(self):  # spawned workers re-open files instead of pickling maps / handles
-        state = self.__dict__.copy()
-        state["_readers"] = collections.OrderedDict()
-        if self._explicit_fs is None:
-            state["_fs"] = None
-        state["_pid"] = None
-        state["prefetcher"] = None  # lives in the training process only
-        return state
-
-    def shard_url(self, shard: int) -> str:
-        """Where shard ``shard`` lives (local path, or the URL without its query string)."""
-        base = redact_url(self.root, mark_query=False) if is_url(self.root) else self._split_dir.rsplit("/", 1)[0]
-        return f"{base.rstrip('/')}/{self.split}/{self._shard_names[shard]}"
-
-    def start_streaming(self, plan: Iterable[np.ndarray], local_dir: str | None, max_bytes: int,
-                        lookahead: int) -> ShardPrefetcher | None:
-        """Stream this split's whole shards into a local folder that the readers then memory-map (what
-        `micro_batches` does for training), if the dataset reads a URL through its own filesystem; a local folder or
-        an explicit ``filesystem`` is read directly.
-
-        Args:
-            plan: per-epoch ``(n,)`` int64 arrays: the shard (as `sample_shards` numbers them) of each sample this
-                rank will read, in order; consumed lazily.
-            local_dir: folder for the copies (None: a new temporary folder).
-            max_bytes: bound on the bytes of the copies held, in bytes.
-            lookahead: samples ahead of the consumed position that readers may already wait for.
-        Returns:
-            the running `detpipe.data.streaming.ShardPrefetcher` (also ``self.prefetcher``; ``self.local_dir`` is its
-            folder), or None when there is nothing to stream. `stop_streaming` ends it.
-        Raises:
-            StageError: the split's remote folder cannot be listed.
-        """
-        if self._fs is None or self._explicit_fs is not None or not is_url(self.root):
-            return None
-        self.prefetcher = ShardPrefetcher(self._fs, self._split_dir,
-                                          f"{redact_url(self.root, mark_query=False)}/{self.split}",
-                                          self.shard_names(), local_dir, max_bytes, plan, lookahead)
-        self.local_dir = self.prefetcher.local_dir
-        return self.prefetcher
-
-    def stop_streaming(self) -> None:
-        """Stop the prefetcher of `start_streaming` (its copies are deleted) and read the shards directly again;
-        nothing to do when none runs."""
-        if self.prefetcher is not None:
-            self.prefetcher.close()
-        self.local_dir = self.prefetcher = None
-
-    def _reader(self, shard: int) -> ipc.RecordBatchFileReader:
-        if self._pid != os.getpid():  # a forked or spawned worker: never reuse the parent's handles / clients
-            self._readers, self._pid = collections.OrderedDict(), os.getpid()
-            # streamed: only local copies are read here (an S3 client made in a forked child can dead-lock)
-            self._fs = None if self.local_dir is not None else open_filesystem(self.root, self._explicit_fs)[0]
-        reader = self._readers.get(shard)
-        if reader is not None:
-            self._readers.move_to_end(shard)
-            return reader
-        streamed = self.local_dir is not None
-        path = f"{self._split_dir}/{self._shard_names[shard]}"
-        where = self.shard_url(shard) if streamed else path
-        try:
-            if streamed:  # a whole-shard copy made by the prefetcher: memory-map it
-                source = pa.memory_map(wait_for_shard(self.local_dir, self._shard_names[shard], where))
-            else:
-                source = pa.memory_map(path) if self._fs is None else self._fs.open_input_file(path)
-            reader = ipc.open_file(source)
-        except FileNotFoundError:
-            raise StageError(f"{where}: not found (cache incomplete; re-run the augment stage)") from None
-        except (pa.ArrowInvalid, OSError) as e:
-            raise StageError(f"{where}: not a readable Arrow IPC file ({' '.join(str(e).split())})") from None
-        self._readers[shard] = reader
-        if streamed and len(self._readers) > _OPEN_SHARDS:  # unmap the least recently used copy
-            self._readers.popitem(last=False)
-        return reader
-
-    def _record(self, r: int) -> pa.RecordBatch:
-        shard = int(self._shard[r])
-        try:
-            return self._reader(shard).get_batch(int(self._batch[r]))
-        except (pa.ArrowInvalid, OSError) as e:
-            raise StageError(f"{self.shard_url(shard)}: record batch {int(self._batch[r])} unreadable "
-                             f"({' '.join(str(e).split())})") from None
-
-    def _stored(self, r: int, record: pa.RecordBatch) -> torch.Tensor:
-        """The ``pixels`` cell of row ``r`` as a 1-D uint8 tensor viewing the record's buffer (read-only)."""
-        col = record.column("pixels")
-        offsets = np.frombuffer(col.buffers()[1], dtype=np.int32, count=2, offset=4 * col.offset)
-        arr = np.frombuffer(col.buffers()[2], dtype=np.uint8, count=int(offsets[1] - offsets[0]),
-                            offset=int(offsets[0]))
-        with warnings.catch_warnings():  # the buffer is read-only; we only ever read it
-            warnings.simplefilter("ignore", UserWarning)
-            return torch.from_numpy(arr)
 
     def _decoded(self, r: int, stored: torch.Tensor) -> torch.Tensor:
         h, w = (int(v) for v in self._hw[r])
@@ -476,7 +338,7 @@ class CachedDetectionDataset(Dataset):
         deferred = self.defer_decode and self.encoding == "jpeg"
         labels = self._labels[self._lab_off[r]:self._lab_off[r + 1]]
         dropped = None
-        if self.defer_augment:  # `augment_batch` runs the transforms (and the flip) on the training device
+        if self.defer_augment:  # `detpipe.data.batch_augment.augment_batch` runs the transforms (and the flip) on the training device
             target_extra = {"augment_at": torch.tensor([epoch, i], dtype=torch.int64), "hflip": torch.tensor(flip)}
             flip = False
         else:
@@ -538,60 +400,11 @@ class CachedDetectionDataset(Dataset):
         return image, target
 
 
-def augment_batch(dataset: CachedDetectionDataset, images: list[torch.Tensor], targets: list[dict],
-                  device: torch.device, encoded: bool = False) -> tuple[list[torch.Tensor], list[dict]]:
-    """``dataset.transforms`` on a batch the loader read without them (``defer_augment``), on ``device``: each
-    sample ``(epoch, i)`` (its target's ``augment_at``) is moved there (``encoded``: JPEG bytes, decoded there with
-    `decode_images`, nvJPEG on CUDA), augmented with the dataset's flip draw (``hflip``) and its mosaic / mixup /
-    copy-paste partners (`CachedDetectionDataset.cached_sample`, moved there), then scaled to float32 in [0, 1].
-    Same function and draws as the loader's path, so the output equals it on the CPU (tested) and up to the
-    device's arithmetic on CUDA.
-
-    Returns:
-        ``(images, targets)``: float32 ``(3, H, W)`` on ``device``; targets as `CachedDetectionDataset` gives
-        them with transforms (``boxes``, ``labels``, ``dropped``, ``masks`` with ``with_masks`` on ``device``).
-    """
-    from detpipe.data.train_transforms import make_sample
-
-    def to(sample: dict) -> dict:
-        return {k: v.to(device, non_blocking=True) for k, v in sample.items()}
-
-    def load(j: int, epoch: int) -> dict:
-        return to(dataset.cached_sample(j, epoch))
-
-    u8s = decode_images(images, device) if encoded else [im.to(device, non_blocking=True) for im in images]
-    out_images, out_targets = [], []
-    for u8, target in zip(u8s, targets):
-        target = dict(target)
-        epoch, i = (int(v) for v in target.pop("augment_at"))
-        flip = bool(target.pop("hflip"))
-        masks = target.pop("masks", None)
-        sample = make_sample(u8, target["boxes"].to(device), target["labels"].to(device),
-                             None if masks is None else masks.to(device))
-        sample, dropped = dataset.transforms(i, epoch, sample, flip, load)
-        out_images.append(sample["image"].as_subclass(torch.Tensor).float().mul_(1.0 / 255))
-        target["boxes"] = sample["boxes"].as_subclass(torch.Tensor)
-        target["labels"] = sample["labels"]
-        target["dropped"] = torch.tensor(dropped, dtype=torch.int64)
-        if dataset.with_masks:
-            target["masks"] = sample["masks"].as_subclass(torch.Tensor)
-        out_targets.append(target)
-    return out_images, out_targets
-
-
 def collate(batch: list[tuple[torch.Tensor, dict]]) -> tuple[list[torch.Tensor], list[dict]]:
     """Collate ``(image, target)`` pairs into ``(images, targets)`` lists, as torchvision detection models
     take them (images may differ in size)."""
     images, targets = zip(*batch)
     return list(images), list(targets)
-
-
-def uses_masks(model: torch.nn.Module) -> bool:
-    """Whether a detection model trains on and predicts instance masks, as its family says
-    (`detpipe.models.family.Family.uses_masks`: torchvision's Mask R-CNN, whose ``roi_heads`` has a mask head);
-    such a model needs ``with_masks=True`` data."""
-    from detpipe.models.family import family_of_model
-    return bool(family_of_model(model).uses_masks(model))
 
 
 def check_cache_masks(cache_meta: dict, model_name: str, where: str = "data/cache/meta.json") -> None:
@@ -613,115 +426,3 @@ def check_cache_masks(cache_meta: dict, model_name: str, where: str = "data/cach
                      f"({_MASK_RULE})")
 
 
-def _epoch_plan(sampler: ResumableDistributedSampler, epoch: int, start: int, offset: int,
-                step: int) -> list[int]:
-    """The indices this rank reads in ``epoch`` from its position ``start`` (whole optimizer steps of ``step``
-    samples only, as training uses them)."""
-    s = copy.copy(sampler)
-    s.set_epoch(epoch, start, offset)
-    left = s.indices()[start:]
-    return left[:len(left) // step * step]
-
-
-def _plan(sampler: ResumableDistributedSampler, epoch: int, start: int, offset: int,
-          step: int) -> Iterator[tuple[int, list[int]]]:
-    """``(epoch, indices)`` for the first (possibly resumed) epoch and every later one (endless)."""
-    while True:
-        yield epoch, _epoch_plan(sampler, epoch, start, offset, step)
-        epoch, start, offset = epoch + 1, 0, 0
-
-
-class _BatchPlan:
-    """Endless batch sampler over `_plan`: lists of ``(epoch, i)`` (one DataLoader batch each)."""
-
-    def __init__(self, plan: Iterator[tuple[int, list[int]]], batch_size: int):
-        self.plan, self.batch_size = plan, batch_size
-
-    def __iter__(self):
-        for epoch, indices in self.plan:
-            for b in range(0, len(indices), self.batch_size):
-                yield [(epoch, i) for i in indices[b:b + self.batch_size]]
-
-
-def _one_line(e: Exception) -> str:
-    """A DataLoader worker's re-raised `StageError` carries the worker's traceback: keep its own message."""
-    last = str(e).strip().splitlines()[-1] if str(e).strip() else ""
-    prefix = "detpipe.core.errors.StageError: "
-    return last[len(prefix):] if last.startswith(prefix) else " ".join(str(e).split())
-
-
-def micro_batches(dataset: CachedDetectionDataset, sampler: ResumableDistributedSampler,
-                  position: tuple[int, int, int], batch_size: int, accumulate: int, num_workers: int = 0,
-                  pin_memory: bool = False, local_dir: str | None = None, local_bytes: int = 2 * 10**9,
-                  decode_device: torch.device | None = None, augment_device: torch.device | None = None,
-                  ) -> Iterator[list[tuple[list[torch.Tensor], list[dict]]]]:
-    """Endless training input from ``position`` on: each item is one optimizer step's list of ``accumulate``
-    micro-batches ``(images, targets)`` as `collate` returns them (this rank's share).
-
-    ``position`` is where the first step reads, as ``(epoch, start, offset)`` in the meaning of
-    `ResumableDistributedSampler.set_epoch` (``start``: this rank's indices of ``epoch`` already consumed;
-    ``offset``: samples of the epoch's global order consumed at an earlier world size): ``(0, 0, 0)`` for a fresh
-    run; the trainer passes ``detpipe.engine.elastic.EpochPlan.locate(iteration)``, the one place that maps an
-    iteration to an epoch and a position, also after a change of world size. That epoch is read from ``start`` on,
-    every later epoch whole (``offset`` 0); the sampler's own position (``epoch``, ``start``, ``offset``) is not
-    used and not changed. Incomplete steps at an epoch's end are dropped (``drop_last``).
-
-    One DataLoader serves every epoch (its ``num_workers`` processes start once and live until the generator is
-    closed): the batch sampler hands out ``(epoch, i)`` pairs, so nothing in a worker depends on per-epoch state.
-
-    Streaming: when ``dataset`` reads a URL, a `detpipe.data.streaming.ShardPrefetcher` copies the whole shards this
-    rank will need, in the order of the plan, into ``local_dir`` (None: a temporary folder), holding at most about
-    ``local_bytes`` bytes, and deletes each once its last sample is consumed; the dataset memory-maps the copies.
-    ``decode_device`` (a CUDA device) decodes a JPEG cache's images there (`decode_images`) instead of in the
-    loader; images then arrive as float32 on that device. With ``dataset.transforms`` (train-time augmentation) the
-    samples are augmented in the loader (CPU workers), unless ``augment_device`` is given: then the loader only
-    reads, and `augment_batch` decodes (nvJPEG on CUDA) and runs the same transforms on that device in this
-    process (``train.augment_device``; the same draws, so the same batches up to the device's arithmetic).
-
-    Raises:
-        StageError: one line from the data (unreadable or missing shard, naming its path or URL).
-    """
-    step = batch_size * accumulate
-    epoch, start, offset = position
-    on_device = augment_device is not None and dataset.transforms is not None
-    if on_device:
-        decode_device = augment_device
-    defer = decode_device is not None and torch.device(decode_device).type == "cuda" and dataset.encoding == "jpeg" \
-        and (dataset.transforms is None or on_device)  # else augmentation runs on the decoded pixels in the loader
-    dataset.defer_decode = defer
-    dataset.defer_augment = on_device
-    shards = dataset.sample_shards()
-    lookahead = batch_size * (max(1, num_workers) * 2 + 2)  # DataLoader read-ahead: prefetch_factor 2/worker
-    prefetcher = dataset.start_streaming((shards[np.asarray(ix, dtype=np.int64)]
-                                          for _, ix in _plan(sampler, epoch, start, offset, step)),
-                                         local_dir, local_bytes, lookahead)
-    loader = DataLoader(dataset, batch_sampler=_BatchPlan(_plan(sampler, epoch, start, offset, step), batch_size),
-                        num_workers=num_workers, collate_fn=collate, pin_memory=pin_memory)
-    it, consumed, micro = iter(loader), 0, []
-    try:
-        while True:
-            try:
-                images, targets = next(it)
-            except StageError as e:
-                raise StageError(prefetcher.error if prefetcher and prefetcher.error else _one_line(e)) from None
-            consumed += len(images)
-            if prefetcher is not None:
-                if prefetcher.error:
-                    raise StageError(prefetcher.error)
-                prefetcher.consumed(consumed)
-            if on_device:
-                images, targets = augment_batch(dataset, images, targets, torch.device(augment_device), defer)
-            elif defer:
-                flips = [bool(t.pop("hflip")) for t in targets]
-                images = [(im.flip(-1) if f else im).float().mul_(1 / 255)
-                          for im, f in zip(decode_images(images, decode_device), flips)]
-            micro.append((images, targets))
-            if len(micro) == accumulate:
-                yield micro
-                micro = []
-    finally:
-        del it
-        if prefetcher is not None:
-            dataset.stop_streaming()
-        dataset.defer_decode = False
-        dataset.defer_augment = False

@@ -2,7 +2,7 @@
 
 `ShardPrefetcher` runs in the training process (one planning thread and a pool of copy threads). It is given,
 lazily, the shards this rank will read in the order it will read them (from the sampler:
-`detpipe.data.dataset.micro_batches` builds that plan), copies each whole shard to ``<local_dir>/<shard>.tmp`` and
+`detpipe.data.loader.micro_batches` builds that plan), copies each whole shard to ``<local_dir>/<shard>.tmp`` and
 renames it to ``<local_dir>/<shard>`` when complete. Readers (the dataset, in the main process or DataLoader
 workers) wait for that file and memory-map it. A shard is deleted once the training loop has consumed its last
 sample in the plan.

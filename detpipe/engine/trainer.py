@@ -29,7 +29,9 @@ from detpipe import params as params_mod
 from detpipe.engine.checkpoints import (FORMAT, find_resume_state, fingerprint, list_checkpoints,
                                        remove_partial_saves, rng_state, save_atomic, schedule_changes,
                                        schedule_params, set_rng_state)
-from detpipe.data.dataset import CachedDetectionDataset, ResumableDistributedSampler, micro_batches, uses_masks
+from detpipe.data.dataset import CachedDetectionDataset
+from detpipe.data.loader import micro_batches
+from detpipe.data.sampler import ResumableDistributedSampler
 from detpipe.data.train_transforms import TrainTransforms, resize_batch, resolve as resolve_augment, step_size
 from detpipe.data.meta import read_meta, read_meta_bytes
 from detpipe.core.distributed import setup_distributed
@@ -38,7 +40,7 @@ from detpipe.engine.train_loop import HookBase, TrainerBase
 from detpipe.core.errors import Interrupted, StageError, received_signal
 from detpipe.engine.hooks import (CheckpointHook, EMAHook, EvalHook, LRScheduleHook, MetricsHook, ProgressHook,
                                   TrainBatchPlotHook)
-from detpipe.models import build_detector, load_weights
+from detpipe.models import build_detector, load_weights, uses_masks
 from detpipe.core.model_file import load_model_file, save_model_file
 
 EvalFnFactory = Callable[[str, Path], Callable[[torch.nn.Module], dict]]

@@ -44,7 +44,7 @@ from detpipe import params as params_mod
 from detpipe.evaluation.coco_metrics import coco_evaluate
 from detpipe.core.errors import StageError
 from detpipe.core.files import atomic_write_json
-from detpipe.data.dataset import CachedDetectionDataset, uses_masks
+from detpipe.data.dataset import CachedDetectionDataset
 from detpipe.data.meta import read_meta
 from detpipe.core.distributed import setup_distributed
 from detpipe.evaluation.detections import detect_dataset, label_to_category_id
@@ -52,7 +52,7 @@ from detpipe.evaluation.error_analysis import analyze_validated, error_metrics
 from detpipe.evaluation.ground_truth import gt_from_arrow
 from detpipe.evaluation.plots import write_plots
 from detpipe.launch.stage import LaunchParams, run_stage
-from detpipe.models import load_model
+from detpipe.models import load_model, uses_masks
 from detpipe.core.paths import ARROW_DIR, CACHE_DIR, METRICS, MODEL, PLOTS
 
 log = logging.getLogger(__name__)

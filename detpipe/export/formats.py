@@ -245,7 +245,7 @@ def val_results(run: Callable, dataset, label_to_category: dict[int, int], masks
     `detpipe.evaluation.detections.detect_dataset`). ``run`` returns `DetectionExport` outputs; masks are not
     scored (bbox AP)."""
     from detpipe.evaluation.detections import image_detections
-    from detpipe.export.exporter import split_outputs
+    from detpipe.export.parity import split_outputs
 
     results = []
     for i in range(len(dataset)):

@@ -21,7 +21,7 @@ float32, same signature) and ``models/int8/model.int8.onnx`` (int8 QDQ: NNCF's a
 Parity gate, on ``export.num_images`` val images (a batched graph: all in one call, plus the first image's top
 three quarters when they all have one size, so that two original sizes are checked): every raw head output (before top-k and NMS, so that ties among
 the near-equal scores of a barely trained model cannot reorder anything) of each file, as loaded back, must equal
-the eager model's within ``export.rtol`` of its root-mean-square magnitude (`detpipe.export.exporter.compare_raw`). The final
+the eager model's within ``export.rtol`` of its root-mean-square magnitude (`detpipe.export.parity.compare_raw`). The final
 detections are matched too (``export.score_threshold``, ``export.iou_match``) and reported, not gated. A run that
 compared nothing fails unless ``export.require_parity: false``. The OpenVINO IR gets the same parity gate. The
 int8 file gets an accuracy gate instead (it cannot be bit-close): COCO AP and AP50 (bbox, 0-1) of the int8 file and
@@ -42,15 +42,17 @@ from typing import Callable
 import torch
 
 from detpipe import params as params_mod
-from detpipe.data.dataset import CachedDetectionDataset, uses_masks
+from detpipe.data.dataset import CachedDetectionDataset
 from detpipe.core.errors import StageError
 from detpipe.export.batched import BATCH_UNSUPPORTED, batch_kind, input_size
 from detpipe.export.exporter import (TORCH_EXPORT_UNSUPPORTED, DetectionExport, export_onnx, export_onnx_batched,
-                                     export_program, export_torchscript, model_card, parity, split_outputs, torch_export_supported)
+                                     export_program, export_torchscript, torch_export_supported)
+from detpipe.export.model_card import model_card
+from detpipe.export.parity import parity, split_outputs
 from detpipe.export.formats import (accuracy_gate, calibration_images, coco_ap, export_openvino, quantize_int8,
                                     val_results, score_head_nodes)
 from detpipe.core.files import atomic_dir, atomic_write_bytes, atomic_write_json, temp_prefix
-from detpipe.models import load_model
+from detpipe.models import load_model, uses_masks
 from detpipe.core.paths import ARROW_DIR, CACHE_DIR, EXPORT_METRICS, METRICS, MODEL, MODELS_DIR
 
 log = logging.getLogger(__name__)
@@ -82,7 +84,7 @@ def export(cfg: params_mod.Export, model_path: Path = MODEL, cache_dir: Path = C
         gate_metrics_path: ``metrics/export.json`` (`gate_metrics`), written last.
     Returns:
         the report written to ``export_report.json``: per format under ``formats``, ``gate`` (``parity`` or
-        ``accuracy``) and its figures (`detpipe.export.exporter.parity`; int8: `_int8`'s entry); a format that
+        ``accuracy``) and its figures (`detpipe.export.parity.parity`; int8: `_int8`'s entry); a format that
         failed its gate under ``export.on_gate_fail: skip`` has ``written: false`` and ``skipped`` (the reason);
         ``seconds`` per format (export + check).
     Raises:

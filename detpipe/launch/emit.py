@@ -12,7 +12,7 @@ from pathlib import Path
 
 from detpipe.core.errors import run_program
 from detpipe.launch.jobs import launch_args, slurm_job
-from detpipe.launch.torchrun import launch_env
+from detpipe.launch.torchrun_args import launch_env
 from detpipe.params import Train, load
 
 

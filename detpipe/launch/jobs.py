@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 
 from detpipe.core.errors import StageError
 from detpipe.launch.stage import LaunchParams
-from detpipe.launch.torchrun import default_run_id, launch_env, launch_local, torchrun_args
+from detpipe.launch.torchrun import launch_local
+from detpipe.launch.torchrun_args import default_run_id, launch_env, torchrun_args
 
 if TYPE_CHECKING:
     from detpipe.params import Train
@@ -53,9 +54,9 @@ def check_inputs(cfg: Train) -> None:
 
 
 def launch_args(cfg: Train, endpoint: str | None = None, run_id: str | None = None) -> list[str]:
-    """torchrun arguments of the train stage (see `detpipe.launch.torchrun.torchrun_args`): c10d rendezvous at
+    """torchrun arguments of the train stage (see `detpipe.launch.torchrun_args.torchrun_args`): c10d rendezvous at
     ``endpoint`` (``host:port``; default ``train.rdzv_endpoint``) under job id ``run_id`` (default
-    `detpipe.launch.torchrun.default_run_id`), running `TRAIN_MODULE`."""
+    `detpipe.launch.torchrun_args.default_run_id`), running `TRAIN_MODULE`."""
     launch = LaunchParams.of_train(cfg)
     return torchrun_args(launch, TRAIN_MODULE, endpoint or cfg.rdzv_endpoint, run_id or default_run_id(launch))
 

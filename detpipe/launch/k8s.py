@@ -3,7 +3,7 @@ same torchrun arguments as a local launch.
 
 One Worker pod per node (``train.nnodes``: MIN..MAX replicas through ``elasticPolicy``); each pod's container
 runs ``python -m detpipe.launch.torchrun <args> -m stages.train`` (torchrun's agent completed on the node: its
-rendezvous host decision and address, `detpipe.launch.torchrun.node_args`) in `WORKDIR` (the repository inside
+rendezvous host decision and address, `detpipe.launch.torchrun_args.node_args`) in `WORKDIR` (the repository inside
 ``train.k8s_image``, built from the repository's Dockerfile) with the c10d rendezvous on pod ``<job>-worker-0``
 (the operator gives every replica a DNS name) at the port of ``train.rdzv_endpoint`` and the job name as
 rendezvous id. The operator recreates failed pods (``restartPolicy: OnFailure``); torchrun restarts the worker
@@ -22,7 +22,7 @@ import logging
 import yaml
 
 from detpipe.core.errors import StageError
-from detpipe.launch.torchrun import AGENT_MODULE, parse_nnodes
+from detpipe.launch.torchrun_args import AGENT_MODULE, parse_nnodes
 from detpipe.core.paths import CKPT_DIR, LIVE_DIR, MODELS_DIR
 
 log = logging.getLogger("detpipe.launch.k8s")
@@ -134,8 +134,8 @@ def pytorchjob_manifest(cfg, job: str, torchrun_argv: list[str], env: dict[str, 
     Args:
         cfg: `detpipe.params.Train` (nnodes, nproc_per_node, max_restarts, k8s_image, k8s_pvc, k8s_gpus).
         job: metadata.name (also the rendezvous id in ``torchrun_argv``).
-        torchrun_argv: torchrun's arguments (`detpipe.launch.torchrun.torchrun_args` with `rdzv_endpoint`).
-        env: the workers' environment (`detpipe.launch.torchrun.launch_env`).
+        torchrun_argv: torchrun's arguments (`detpipe.launch.torchrun_args.torchrun_args` with `rdzv_endpoint`).
+        env: the workers' environment (`detpipe.launch.torchrun_args.launch_env`).
     Raises:
         StageError: as `check_k8s` (no ``train.k8s_pvc`` for more than one pod; fewer GPUs than workers).
     """

@@ -5,7 +5,7 @@ The script (`sbatch_script`) asks for ``MAX / train.slurm_tasks_per_node`` nodes
 ``MIN:MAX``; it counts torchrun agents, one per Slurm task, normally one per node: a ``--nodes=MIN-MAX`` range was
 given its minimum by Slurm 22.05 even with idle nodes, measured in tests/system/test_cluster.py) with
 ``train.slurm_tasks_per_node`` tasks each; ``srun`` starts one torchrun agent per task with the same arguments
-as a local launch (`detpipe.launch.torchrun.torchrun_args`), the c10d rendezvous on the job's first node at the port
+as a local launch (`detpipe.launch.torchrun_args.torchrun_args`), the c10d rendezvous on the job's first node at the port
 of ``train.rdzv_endpoint`` and ``$SLURM_JOB_ID`` as rendezvous id. A failed worker or node: torchrun restarts
 the worker group (``--max-restarts``) and, an elastic job being submitted with ``--no-kill``, goes on with the
 remaining nodes down to MIN;
@@ -25,7 +25,7 @@ from pathlib import Path
 
 from detpipe.core.errors import Interrupted, StageError
 from detpipe.core.files import atomic_write_bytes
-from detpipe.launch.torchrun import AGENT_MODULE, parse_nnodes
+from detpipe.launch.torchrun_args import AGENT_MODULE, parse_nnodes
 
 log = logging.getLogger("detpipe.launch.slurm")
 
@@ -46,7 +46,7 @@ def sbatch_script(cfg, torchrun_argv: list[str], env: dict[str, str], workdir: P
     Args:
         torchrun_argv: torchrun's arguments; ``${RDZV_HOST}`` (the job's first node, set by the script) and
             ``${SLURM_JOB_ID}`` in them are expanded by the shell.
-        env: variables exported for the workers (`detpipe.launch.torchrun.launch_env`).
+        env: variables exported for the workers (`detpipe.launch.torchrun_args.launch_env`).
         workdir: the run's folder (repository root): the job runs there and logs to ``workdir/logs``.
     """
     lo, hi = parse_nnodes(cfg.nnodes)

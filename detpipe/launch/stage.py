@@ -32,7 +32,7 @@ class LaunchParams(BaseModel):
     """What launching a stage's workers needs. Field meanings and defaults are the `detpipe.params.Train` fields of
     the same name (the train keys of role ``launch``, plus ``nproc_per_node`` and ``threads``); ``params_digest``
     is the sha256 (hex) of the stage's whole params section, from which the default rendezvous id is derived
-    (`detpipe.launch.torchrun.default_run_id`: the same on every node that runs the same params)."""
+    (`detpipe.launch.torchrun_args.default_run_id`: the same on every node that runs the same params)."""
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     nproc_per_node: int = _train_default("nproc_per_node")

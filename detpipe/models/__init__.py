@@ -20,7 +20,8 @@ import torch
 import torchvision
 from torch import nn
 
-from detpipe.models.family import Family, family_of, family_of_model  # noqa: F401  (public here)
+from detpipe.models.family import all_model_names, family_of, family_of_model  # noqa: F401  (public here)
+from detpipe.models.registry import Family  # noqa: F401  (public here)
 from detpipe.models import hf_weights  # noqa: F401  (imported first: records the user's HF_HUB_OFFLINE)
 
 from detpipe.core.errors import StageError
@@ -39,10 +40,11 @@ def detection_model_names() -> list[str]:
     return all_model_names()
 
 
-def all_model_names() -> list[str]:
-    """Every ``train.model`` name of every family (sorted)."""
-    from detpipe.models.family import _load
-    return sorted({n for fam in _load() for n in fam.names()})
+def uses_masks(model: nn.Module) -> bool:
+    """Whether a detection model trains on and predicts instance masks, as its family says
+    (`detpipe.models.registry.Family.uses_masks`: torchvision's Mask R-CNN, whose ``roi_heads`` has a mask head);
+    such a model needs ``with_masks=True`` data (`detpipe.data.dataset.CachedDetectionDataset`)."""
+    return bool(family_of_model(model).uses_masks(model))
 
 
 def build_model(name: str, num_classes: int, **kwargs) -> nn.Module:
@@ -194,7 +196,7 @@ def optimizer_recipe(cfg: Train) -> tuple[str, float, str]:
 def build_detector(cfg: Train, arrow_meta: Path = ARROW_META, cache_dir: Path = CACHE_DIR,
                    device: torch.device | str | None = None) -> tuple[nn.Module, dict, bytes]:
     """The untrained model ``cfg.model`` sized for the cache (`model_kwargs`), with the cache's masks checked
-    for a mask model (`detpipe.data.dataset.uses_masks`, `detpipe.data.dataset.check_cache_masks`).
+    for a mask model (`uses_masks`, `detpipe.data.dataset.check_cache_masks`).
 
     Args:
         cfg: the train params (``model``, ``cache_url``).
@@ -210,7 +212,7 @@ def build_detector(cfg: Train, arrow_meta: Path = ARROW_META, cache_dir: Path = 
             (`model_kwargs`), a mask model, or ``train.copy_paste``, on a cache without masks; ``train.multi_scale``
             for a model that takes one input size (`detpipe.models.family.Family.variable_input`).
     """
-    from detpipe.data.dataset import check_cache_masks, uses_masks
+    from detpipe.data.dataset import check_cache_masks
     from detpipe.data.meta import read_cache_meta_bytes, read_meta
 
     meta = read_meta(arrow_meta)

@@ -1,4 +1,4 @@
-"""torchvision's detection builders as a model family (`detpipe.models.family.Family`): SSD/SSDlite, RetinaNet,
+"""torchvision's detection builders as a model family (`detpipe.models.registry.Family`): SSD/SSDlite, RetinaNet,
 FCOS, Faster/Mask/Keypoint R-CNN, built by ``torchvision.models.get_model`` with random init.
 
 What the other stages used to find by name prefix or module attributes lives here: the input sizing
@@ -13,7 +13,7 @@ import torchvision
 from torch import nn
 
 from detpipe.core.errors import StageError
-from detpipe.models.family import Family, register
+from detpipe.models.registry import Family, register, registered_names
 
 
 def detection_model_names() -> list[str]:
@@ -33,9 +33,8 @@ def build_model(name: str, num_classes: int, **kwargs) -> nn.Module:
     """
     names = detection_model_names()
     if name not in names:
-        from detpipe.models import all_model_names
         raise StageError(f"params.yaml: key 'train.model': unknown model '{name}'; the models are: "
-                         f"{', '.join(all_model_names())}")
+                         f"{', '.join(registered_names())}")
     return torchvision.models.get_model(name, weights=None, weights_backbone=None,
                                         num_classes=num_classes, **kwargs)
 

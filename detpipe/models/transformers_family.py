@@ -22,7 +22,7 @@ from torch import nn
 
 from detpipe.core.boxes import convert
 from detpipe.core.errors import StageError
-from detpipe.models.family import Family, register
+from detpipe.models.registry import Family, register
 
 # name -> (architecture, config overrides of the architecture's defaults, backbone config overrides). The
 # defaults of RTDetrV2Config are RT-DETRv2-L (ResNet-50-vd); of DFineConfig, D-FINE-L's decoder with an HGNetV2-B4

@@ -15,8 +15,8 @@ from support.pipeline import set_params, stage_cli
 from detpipe.data.dataset import CachedDetectionDataset, collate
 from detpipe.core.errors import StageError
 from detpipe.export.batched import session_runner
-from detpipe.export.exporter import (DetectionExport, compare_raw, export_onnx, match_detections, split_outputs,
-                                     summarize_detections)
+from detpipe.export.exporter import DetectionExport, export_onnx
+from detpipe.export.parity import compare_raw, match_detections, split_outputs, summarize_detections
 from detpipe.models import build_model, model_config
 from detpipe.params import Export
 

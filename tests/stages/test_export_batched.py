@@ -15,7 +15,8 @@ import torch
 
 from detpipe.data.imageio import decode_rgb
 from detpipe.export.batched import BATCH_INPUT, graph_size, runner
-from detpipe.export.exporter import DetectionExport, compare_raw, export_onnx_batched, match_detections, split_outputs
+from detpipe.export.exporter import DetectionExport, export_onnx_batched
+from detpipe.export.parity import compare_raw, match_detections, split_outputs
 from detpipe.models import load_model
 from detpipe.params import Export
 from detpipe.predict.runners import load_runner

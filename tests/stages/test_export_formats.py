@@ -24,7 +24,7 @@ from torchvision.ops import box_iou
 from detpipe.data.dataset import CachedDetectionDataset
 from detpipe.core.errors import StageError
 from detpipe.export.batched import session_runner
-from detpipe.export.exporter import compare_raw, match_detections, split_outputs
+from detpipe.export.parity import compare_raw, match_detections, split_outputs
 from detpipe.export.formats import openvino_runner
 from detpipe.params import Export
 from detpipe.predict import data_meta, predict, prepare

@@ -15,7 +15,9 @@ import torch
 import yaml
 from PIL import ImageColor
 
-from detpipe.data.dataset import CachedDetectionDataset, ResumableDistributedSampler, micro_batches
+from detpipe.data.dataset import CachedDetectionDataset
+from detpipe.data.loader import micro_batches
+from detpipe.data.sampler import ResumableDistributedSampler
 from detpipe.vis.batch_plot import class_color, grid_layout
 
 

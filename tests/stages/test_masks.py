@@ -19,7 +19,7 @@ from detpipe import params as params_mod
 from detpipe.data.augment import build_cache
 from detpipe.evaluation.coco_metrics import coco_evaluate
 from detpipe.core.errors import StageError
-from detpipe.data.dataset import CachedDetectionDataset, collate, uses_masks
+from detpipe.data.dataset import CachedDetectionDataset, collate
 from detpipe.data.meta import read_meta
 from detpipe.evaluation.detections import masks_to_rles
 from detpipe.evaluation.ground_truth import gt_from_arrow
@@ -239,7 +239,7 @@ def test_box_models_do_not_get_masks(mask_workdir, nomask_workdir):
     with pytest.raises(StageError) as e:
         CachedDetectionDataset(nomask_workdir / "data/cache", "train", with_masks=True)
     assert "without an instance mask" in str(e.value) and "rule:" in str(e.value) and "\n" not in str(e.value)
-    from detpipe.models import build_model
+    from detpipe.models import build_model, uses_masks
     assert uses_masks(build_model("maskrcnn_resnet50_fpn", 3))
     assert not uses_masks(build_model("fasterrcnn_resnet50_fpn", 3))
 

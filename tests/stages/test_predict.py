@@ -3,7 +3,7 @@
 fits them), exported here ONNX-only by the real export stage.
 
 What is proven: the ONNX file and model.pt give the same predictions under the export gate's own comparison
-(raw pre-NMS outputs within ``export.rtol``, final detections matched by `detpipe.export.exporter.parity`); boxes
+(raw pre-NMS outputs within ``export.rtol``, final detections matched by `detpipe.export.parity.parity`); boxes
 come back in original-image pixels (IoU >= 0.5 with the ground truth on images that are not 320x320, while the
 same boxes left in the model's 320x320 frame are not); category ids are the dataset's COCO ids, not the
 contiguous training labels, and a YOLO copy of the dataset's are its class indices (predictions and model card); EXIF orientation and 16-bit images decode as the pipeline decodes them; corrupt,
@@ -28,12 +28,12 @@ from PIL import Image
 from torchvision.ops import box_iou
 
 from detpipe import params as params_mod
-from detpipe.data.dataset import uses_masks
 from detpipe.data.imageio import decode_rgb
 from detpipe.core.errors import StageError
 from detpipe.export.batched import session_runner
-from detpipe.export.exporter import DetectionExport, parity, split_outputs
-from detpipe.models import load_model
+from detpipe.export.exporter import DetectionExport
+from detpipe.export.parity import parity, split_outputs
+from detpipe.models import load_model, uses_masks
 from detpipe.predict import data_meta, predict, prepare
 from support.pipeline import COCO128, LEARNS_IMAGE_IDS, set_params, stage_cli
 from support.procs import run
@@ -80,7 +80,7 @@ def _run(work: Path, source, out: Path, model: str = "models/model.onnx", **kw) 
 
 
 def _dets(preds: list[dict], file_name: str) -> dict:
-    """One image's predictions as `detpipe.export.exporter.match_detections` input: XYXY original pixels."""
+    """One image's predictions as `detpipe.export.parity.match_detections` input: XYXY original pixels."""
     rows = [p for p in preds if p["file_name"] == file_name]
     return {"boxes": torch.tensor([[x, y, x + w, y + h] for x, y, w, h in (p["bbox"] for p in rows)]).reshape(-1, 4),
             "scores": torch.tensor([p["score"] for p in rows]),
@@ -135,7 +135,7 @@ def test_onnx_and_eager_predictions_agree(exported, tmp_path):
                         draw_images=False)
     assert rep_onnx["runtime"].startswith("onnxruntime") and rep_pt["runtime"].startswith("torch")
     assert rep_onnx["images"] == rep_pt["images"] and rep_onnx["num_images"] == len(inputs)
-    from detpipe.export.exporter import match_detections, summarize_detections
+    from detpipe.export.parity import match_detections, summarize_detections
     per_image = [match_detections(_dets(p_pt, im["file_name"]), _dets(p_onnx, im["file_name"]),
                                   cfg.score_threshold, cfg.iou_match) for im in rep_pt["images"]]
     summary = summarize_detections(per_image)
@@ -195,7 +195,7 @@ def test_yolo_dataset_ids_and_names_in_predictions_and_model_card(exported, gt, 
     from globox import AnnotationSet
 
     from detpipe.data.convert import convert
-    from detpipe.export.exporter import model_card
+    from detpipe.export.model_card import model_card
 
     names = [c["name"] for c in sorted(gt["categories"], key=lambda c: c["id"])]
     assert names == ["dog", "elephant", "zebra", "giraffe"]
@@ -254,7 +254,7 @@ def test_exif_orientation_and_bit_depth_decode_like_the_pipeline(exported, tmp_p
     (folder / "gray16.png").write_bytes(buf.getvalue())
     assert Image.open(folder / "gray16.png").mode.startswith("I")
 
-    from detpipe.export.exporter import match_detections
+    from detpipe.export.parity import match_detections
     report, preds = _run(exported, folder, tmp_path / "out", score_threshold=0.05, draw_images=False)
     sizes = {im["file_name"]: (im["width"], im["height"]) for im in report["images"]}
     assert sizes["exif6.png"] == sizes["upright.png"] == (upright.shape[1], upright.shape[0])

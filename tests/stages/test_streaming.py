@@ -25,7 +25,9 @@ import torch
 from support.delay_proxy import START_S, DelayProxy
 from support.pipeline import checkpoint_iterations, checkpoints, kill9_training_after, stage_cli, write_params
 from detpipe import params as params_mod
-from detpipe.data.dataset import CachedDetectionDataset, ResumableDistributedSampler, micro_batches
+from detpipe.data.dataset import CachedDetectionDataset
+from detpipe.data.loader import micro_batches
+from detpipe.data.sampler import ResumableDistributedSampler
 from detpipe.engine.elastic import EpochPlan
 from detpipe.data.streaming import START_DEPTH, ShardPrefetcher, wait_for_shard
 from detpipe.core.errors import StageError

@@ -168,7 +168,9 @@ def test_kill9_resume_with_mosaic_and_mixup_is_bit_identical(cached_workdir, tmp
     mid-epoch 1 and resumed ends with the same weights and optimizer state as an uninterrupted run, across the
     epoch where mosaic closes; plots/train_batch.png is the loader's augmented first step (mosaic tiles and all)."""
     from detpipe import params as params_mod
-    from detpipe.data.dataset import CachedDetectionDataset, ResumableDistributedSampler, micro_batches
+    from detpipe.data.dataset import CachedDetectionDataset
+    from detpipe.data.loader import micro_batches
+    from detpipe.data.sampler import ResumableDistributedSampler
     from detpipe.data.train_transforms import TrainTransforms, resolve
     from detpipe.vis.batch_plot import draw_batch
     from detpipe.vis.drawing import encode_png

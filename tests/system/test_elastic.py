@@ -16,7 +16,7 @@ import psutil
 import pytest
 import torch
 
-from detpipe.launch.torchrun import worker_local_rank
+from detpipe.launch.worker_start import worker_local_rank
 from support.pipeline import assert_same_training_state, checkpoint, checkpoints, elastic_workdir, write_params
 from support.procs import stage_env
 from support.procs import free_port
@@ -36,7 +36,7 @@ def _wait_for(path: Path, procs: list[subprocess.Popen], timeout: float = 400) -
 
 
 def _workers(agent_pid: int) -> dict[int, psutil.Process]:
-    """The agent's worker processes by local rank (`detpipe.launch.torchrun.worker_local_rank`)."""
+    """The agent's worker processes by local rank (`detpipe.launch.worker_start.worker_local_rank`)."""
     out = {}
     for child in psutil.Process(agent_pid).children():
         rank = worker_local_rank(child)
@@ -74,7 +74,7 @@ def test_store_port_can_be_bound_again_during_time_wait():
     """A node that hosted the rendezvous store and starts again within TCP's TIME_WAIT (a requeued job on the same
     first node) binds the port again (`bind_listener` sets SO_REUSEADDR); a port that another socket listens on
     is still refused (how an agent finds the store of another agent on the same machine)."""
-    from detpipe.launch.torchrun import bind_listener
+    from detpipe.core.net import bind_listener
 
     server = bind_listener("127.0.0.1", 0)
     port = server.getsockname()[1]
@@ -151,7 +151,7 @@ def _wait_for_listener(port: int, proc: subprocess.Popen, timeout: float = 120, 
 def test_epoch_plan_matches_plain_schedule_and_finishes_a_resized_epoch():
     """`EpochPlan` without a change of world size is the plain ``divmod`` schedule; after one it finishes the
     interrupted epoch first (its length read from the sampler) and then counts whole epochs."""
-    from detpipe.data.dataset import ResumableDistributedSampler
+    from detpipe.data.sampler import ResumableDistributedSampler
     from detpipe.engine.elastic import EpochPlan
 
     plain = EpochPlan(iters_per_epoch=4, per_step=2)
@@ -187,7 +187,7 @@ def test_emitted_job_runs_the_local_launchers_command(tmp_path, monkeypatch, kin
 
     import yaml
 
-    from detpipe.launch.torchrun import launch_env
+    from detpipe.launch.torchrun_args import launch_env
     from detpipe.params import load
     from detpipe.launch.emit import emit
     from detpipe.launch.jobs import launch_args
@@ -229,7 +229,7 @@ def test_emitted_job_runs_the_local_launchers_command(tmp_path, monkeypatch, kin
 
 def _address_hostname_misses() -> str | None:
     """An IPv4 address of this machine's interfaces (not loopback) that its hostname does not resolve to, or None."""
-    from detpipe.launch.torchrun import local_addresses
+    from detpipe.launch.torchrun_args import local_addresses
 
     named = {info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None, proto=socket.IPPROTO_TCP)}
     found = sorted(a for a in local_addresses() if "." in a and not a.startswith("127.") and a not in named)
@@ -243,7 +243,7 @@ def test_endpoint_host_is_recognized_by_interface_address():
     an interface address the hostname does not resolve to (the bug: no node hosted the rendezvous)."""
     from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
 
-    from detpipe.launch.torchrun import is_endpoint_host, local_addresses
+    from detpipe.launch.torchrun_args import is_endpoint_host, local_addresses
 
     addresses = local_addresses()
     assert "127.0.0.1" in addresses and "127.0.0.2" not in addresses

@@ -241,7 +241,8 @@ def _luma(image: torch.Tensor) -> torch.Tensor:
 def _two_steps_of_4(dataset, **loader_options) -> tuple[list, list]:
     """The images and targets of the first 2 iterations of batch 4 (9 train images, drop_last) that `micro_batches`
     gives for ``dataset`` with ``loader_options`` (decode_device, augment_device, pin_memory), flattened."""
-    from detpipe.data.dataset import ResumableDistributedSampler, micro_batches
+    from detpipe.data.loader import micro_batches
+    from detpipe.data.sampler import ResumableDistributedSampler
 
     sampler = ResumableDistributedSampler(len(dataset), seed=0, shards=dataset.sample_shards())
     steps = micro_batches(dataset, sampler, (0, 0, 0), 4, 1, **loader_options)

@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from detpipe.launch.torchrun import WORKER_START_ENV, worker_local_rank
+from detpipe.launch.worker_start import WORKER_START_ENV, worker_local_rank
 from support.pipeline import checkpoints, write_params
 from support.procs import stage_env
 
@@ -33,7 +33,7 @@ QUIET_S = 3.0   # then how long checkpoints/ and models/ must stay as they were
 
 def _workers(launcher: psutil.Process, known: dict[int, psutil.Process]) -> dict[int, psutil.Process]:
     """``known`` plus the launcher's children that are torchrun workers by now
-    (`detpipe.launch.torchrun.worker_local_rank`: a forked worker once it has named itself, an exec'd one once it
+    (`detpipe.launch.worker_start.worker_local_rank`: a forked worker once it has named itself, an exec'd one once it
     has exec'd ``python -m stages.train``)."""
     for child in launcher.children():
         try:
@@ -88,7 +88,7 @@ def _snapshot(work: Path) -> dict[str, tuple[int, int]]:
                                                   ("training", 2, "fork")])
 def test_kill9_of_stage_group_leaves_no_worker(cached_workdir, tmp_path, moment, nproc, start):
     """SIGKILL of the stage's process group at ``moment`` of its ``nproc`` workers' start-up, the workers started
-    by ``start`` (`detpipe.launch.torchrun.WORKER_START_ENV`; only an exec'd worker imports torch after it starts):
+    by ``start`` (`detpipe.launch.worker_start.WORKER_START_ENV`; only an exec'd worker imports torch after it starts):
     every worker is gone within `DIE_S` seconds and ``checkpoints/`` and ``models/`` stay as they were at the
     kill."""
     work = Path(os.path.realpath(tmp_path / "work"))

@@ -1,4 +1,4 @@
-"""Workers forked from torchrun's agent (`detpipe.launch.torchrun.run_forked_worker`, the default) start as a new
+"""Workers forked from torchrun's agent (`detpipe.launch.worker_start.run_forked_worker`, the default) start as a new
 interpreter would: named, in a session of their own, with default signal handlers, their own ``sys.argv``, the
 agent's ``atexit`` functions gone and their own run, torch threads from ``OMP_NUM_THREADS``; a bug's traceback is
 printed; and they train the same weights as workers started by exec (plain torchrun).
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from detpipe.launch.torchrun import WORKER_START_ENV
+from detpipe.launch.worker_start import WORKER_START_ENV
 from support.procs import free_port, run, stage_env
 
 # A worker module: writes what a worker sees of its process, then (argv[1] == "boom") raises a bug. The agent's

@@ -20,7 +20,9 @@ from torchvision.transforms.v2 import functional as TF
 from detpipe import params as params_mod
 from detpipe.core.errors import StageError
 from detpipe.core.files import filesystem as open_filesystem
-from detpipe.data.dataset import CachedDetectionDataset, ResumableDistributedSampler, collate, micro_batches
+from detpipe.data.dataset import CachedDetectionDataset, collate
+from detpipe.data.loader import micro_batches
+from detpipe.data.sampler import ResumableDistributedSampler
 from detpipe.data.augment import build_cache
 from detpipe.engine.elastic import EpochPlan
 

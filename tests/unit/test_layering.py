@@ -15,13 +15,7 @@ ci_imports = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(ci_imports)
 code_closure, project_file = ci_imports.code_closure, ci_imports.project_file
 
-KNOWN_CYCLES = [
-    # models' family registry <-> its families, and data <-> models (the loader asks a model its family): function-
-    # level imports in detpipe/models/ and detpipe/data/train_transforms.py, left for the helpers who own them.
-    {"detpipe/data/dataset.py", "detpipe/data/train_transforms.py", "detpipe/models/__init__.py",
-     "detpipe/models/family.py", "detpipe/models/hf_weights.py", "detpipe/models/torchvision_family.py",
-     "detpipe/models/transformers_family.py"},
-]
+KNOWN_CYCLES: list[set[str]] = []   # none left (the models/data and serve cycles are gone)
 
 
 def _closure_of_folder(folder: str) -> dict[str, set[str]]:

@@ -56,11 +56,15 @@ def test_train_and_evaluate_do_not_depend_on_the_coco_reader():
 def test_job_descriptions_are_not_train_deps():
     """``python -m detpipe.launch.emit slurm|k8s`` is outside the train stage's import graph: dvc.yaml's train deps
     list neither `detpipe/launch/emit.py` nor `detpipe/launch/k8s.py`, so editing the Kubernetes manifest code leaves
-    trained models valid. (`detpipe/launch/slurm.py` stays a dep: ``train.launcher: slurm`` submits its script.)"""
+    trained models valid. `detpipe/launch/slurm.py` stays a dep (``train.launcher: slurm``: the train stage writes,
+    submits and follows its script), and emit's Slurm script is that same code (docs/multi-node.md)."""
     train = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]["train"]["deps"]
     deps = {d if isinstance(d, str) else next(iter(d)) for d in train}
     assert not deps & {"detpipe/launch/emit.py", "detpipe/launch/k8s.py"}, sorted(deps)
-    assert {"detpipe/launch/k8s.py", "detpipe/launch/jobs.py"} <= code_closure(ROOT / "detpipe/launch/emit.py")
+    assert not code_closure(ROOT / "stages/train.py") & {"detpipe/launch/emit.py", "detpipe/launch/k8s.py"}
+    assert {"detpipe/launch/slurm.py", "detpipe/launch/jobs.py", "detpipe/launch/torchrun.py"} <= deps
+    emit = code_closure(ROOT / "detpipe/launch/emit.py")
+    assert {"detpipe/launch/k8s.py", "detpipe/launch/jobs.py", "detpipe/launch/slurm.py"} <= emit
 
 
 def test_one_launch_path_for_train_and_evaluate():

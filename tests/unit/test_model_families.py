@@ -12,10 +12,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from detpipe.data.dataset import uses_masks
 from detpipe.core.errors import StageError
 from detpipe.export.exporter import raw_taps, torch_export_supported
-from detpipe.models import build_model, family_of, family_of_model, model_kwargs, optimizer_recipe
+from detpipe.models import build_model, family_of, family_of_model, model_kwargs, optimizer_recipe, uses_masks
 from detpipe.models.transformers_family import CONFIGS, PAPER_PARAMS_M, postprocess
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "train.md"
@@ -194,7 +193,8 @@ def test_onnx_export_passes_the_parity_gate_on_the_family_taps(tmp_path, name):
     """The export stage's functions on the family's model: the ONNX file's raw outputs (the encoder's class logits
     and boxes over every anchor) equal eager's within the stage's default rtol; a changed weight in the eager
     model fails the same gate (so it is no tautology)."""
-    from detpipe.export.exporter import DetectionExport, export_onnx, parity, split_outputs
+    from detpipe.export.exporter import DetectionExport, export_onnx
+    from detpipe.export.parity import parity, split_outputs
     torch.manual_seed(0)
     model = build_model(name, 4, size=128).eval()
     model._detpipe_name = name

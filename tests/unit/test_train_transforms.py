@@ -16,7 +16,9 @@ from torchvision.transforms.v2 import functional as F
 
 from detpipe import params as params_mod
 from detpipe.data import train_transforms as tt
-from detpipe.data.dataset import CachedDetectionDataset, ResumableDistributedSampler, micro_batches
+from detpipe.data.dataset import CachedDetectionDataset
+from detpipe.data.loader import micro_batches
+from detpipe.data.sampler import ResumableDistributedSampler
 from detpipe.engine.elastic import EpochPlan
 from detpipe.core.errors import StageError
 
