@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from detpipe.data.dataset import CachedDetectionDataset, decode_images
-from detpipe.data.train_transforms import make_sample
+from detpipe.data.multi_image import make_sample
 
 
 def augment_batch(dataset: CachedDetectionDataset, images: list[torch.Tensor], targets: list[dict],

@@ -32,7 +32,8 @@ from torchvision.io import ImageReadMode, decode_jpeg
 from detpipe.core.errors import StageError
 from detpipe.data.cache_format import INDEX_FILE
 from detpipe.data.cache_shards import CacheShards
-from detpipe.data.train_transforms import TrainTransforms, make_sample
+from detpipe.data.multi_image import make_sample
+from detpipe.data.train_transforms import TrainTransforms
 
 __all__ = ["CachedDetectionDataset", "collate", "check_cache_masks", "decode_images"]
 
@@ -251,7 +252,7 @@ class CachedDetectionDataset(CacheShards, Dataset):
 
     def cached_sample(self, i: int, epoch: int | None = None) -> dict:
         """Sample ``i``'s cached variant of ``epoch`` un-augmented and un-flipped, as a v2 sample dict
-        (`detpipe.data.train_transforms.make_sample`: ``image`` uint8 ``(3, H, W)``, ``boxes`` XYXY cached pixels,
+        (`detpipe.data.multi_image.make_sample`: ``image`` uint8 ``(3, H, W)``, ``boxes`` XYXY cached pixels,
         ``labels``, ``masks`` with ``with_masks``): what `TrainTransforms` starts from, and its mosaic / mixup
         partners."""
         epoch = self.epoch if epoch is None else int(epoch)

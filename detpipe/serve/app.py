@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import contextlib
-import ipaddress
 import json
 import logging
 import shutil
@@ -24,6 +23,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from detpipe.core.errors import StageError
+from detpipe.core.net import is_loopback
 from detpipe.data.augmentation import target_size
 from detpipe.predict import Predictor
 from detpipe.serve.batcher import Batcher, QueueFull
@@ -219,7 +219,7 @@ class Service:
         """``POST /admin/reload``: body empty (reload the model being served, its file read again) or JSON
         ``{"model": "<path or exp:name>"}``; loopback clients only unless ``admin_remote``."""
         host = request.client.host if request.client else ""
-        if not self.admin_remote and not _is_loopback(host):
+        if not self.admin_remote and not is_loopback(host):
             raise Rejected(403, f"POST /admin/reload from {host or '?'}: only from this machine (loopback) unless "
                                 "the server runs with --admin-remote")
         body = await read_body(request, 64_000, self.limits.body_timeout_s,
@@ -235,12 +235,6 @@ class Service:
             source = doc.get("model") or None
         return JSONResponse(await self.reload(source))
 
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def create_app(service: Service):

@@ -15,6 +15,7 @@ from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
 from detpipe import params as params_mod
+from detpipe.data import multi_image as mi
 from detpipe.data import train_transforms as tt
 from detpipe.data.dataset import CachedDetectionDataset
 from detpipe.data.loader import micro_batches
@@ -44,7 +45,7 @@ def _aligned(ds: CachedDetectionDataset):
         keep = s["masks"].flatten(1).bool().any(1)
         masks = s["masks"][keep]
         boxes = masks_to_boxes(masks) + torch.tensor([0.0, 0.0, 1.0, 1.0])
-        return tt.make_sample(s["image"].as_subclass(torch.Tensor), boxes, s["labels"][keep],
+        return mi.make_sample(s["image"].as_subclass(torch.Tensor), boxes, s["labels"][keep],
                               masks.as_subclass(torch.Tensor))
     return load
 
@@ -234,10 +235,10 @@ def test_mosaic_places_four_samples_as_the_crop_reference(masked):
     """`mosaic`: each quadrant's pixels are its tile's, each tile's boxes are ``F.crop``'s of the tile (shifted
     by the corner, clipped to the canvas), masks moved with them; then the whole yolo path keeps masks aligned."""
     load = _aligned(masked)
-    tiles = [tt._to_size(load(j, 0), (320, 320)) for j in (0, 1, 2, 3)]
+    tiles = [mi.to_size(load(j, 0), (320, 320)) for j in (0, 1, 2, 3)]
     h, w = tiles[0]["image"].shape[-2:]
     cx, cy = 0.7 * w, 1.2 * h
-    canvas = tt.mosaic(tiles, (cx, cy), (h, w))
+    canvas = mi.mosaic(tiles, (cx, cy), (h, w))
     assert canvas["image"].shape == (3, 2 * h, 2 * w)
     corners = [(int(cx) - w, int(cy) - h), (int(cx), int(cy) - h), (int(cx) - w, int(cy)), (int(cx), int(cy))]
     start = 0
@@ -313,8 +314,8 @@ def test_without_recomputing_the_boxes_from_the_masks_cut_objects_fail(masked, m
 
 def test_mixup_blends_pixels_and_concatenates_targets(masked):
     load = _aligned(masked)
-    a, b = load(0, 0), tt._to_size(load(1, 0), tuple(load(0, 0)["image"].shape[-2:]))
-    out = tt.mixup(a, b, 0.25)
+    a, b = load(0, 0), mi.to_size(load(1, 0), tuple(load(0, 0)["image"].shape[-2:]))
+    out = mi.mixup(a, b, 0.25)
     expect = (0.25 * _plain(a["image"]).double() + 0.75 * _plain(b["image"]).double()).round().to(torch.uint8)
     assert (out["image"].as_subclass(torch.Tensor).int() - expect.int()).abs().max() <= 1
     assert torch.equal(_plain(out["boxes"]), torch.cat([_plain(a["boxes"]), _plain(b["boxes"])]))
@@ -332,9 +333,9 @@ def _check_copy_paste(load, pairs) -> tuple[int, int]:
     occluded_total = dropped_total = 0
     for a, b in pairs:
         dst = load(a, 0)
-        src = tt._to_size(load(b, 0), tuple(dst["image"].shape[-2:]))
+        src = mi.to_size(load(b, 0), tuple(dst["image"].shape[-2:]))
         pick = torch.arange(len(src["labels"])) % 2 == 0
-        out, dropped = tt.copy_paste(dst, src, pick)
+        out, dropped = mi.copy_paste(dst, src, pick)
         cover = _plain(src["masks"])[pick].bool().any(0)
         assert torch.equal(_plain(out["image"]), torch.where(cover, _plain(src["image"]), _plain(dst["image"])))
         cut = _plain(dst["masks"]) & ~cover
@@ -372,7 +373,7 @@ def test_copy_paste_equals_the_rule_and_torchvisions_masks_to_boxes(masked):
 
 def test_copy_paste_without_re_deriving_the_boxes_fails(masked, monkeypatch):
     """Must-fail variant: occluded objects keep their old boxes (the masks_to_boxes step removed)."""
-    monkeypatch.setattr(tt, "_occluded_boxes", lambda boxes, cut, occluded: boxes)
+    monkeypatch.setattr(mi, "_occluded_boxes", lambda boxes, cut, occluded: boxes)
     with pytest.raises(AssertionError, match="object"):
         _check_copy_paste(_aligned(masked), _paste_pairs(len(masked)))
 
