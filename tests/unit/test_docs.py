@@ -12,6 +12,7 @@ import contextlib
 import functools
 import importlib.util
 import io
+import logging
 import re
 import shlex
 import sys
@@ -161,11 +162,18 @@ def dvc_problem(args: list[str], full: bool) -> str | None:
     if full:
         from dvc.cli import DvcParserError
 
+        # DVC's parser logs its refusal on the "dvc" logger; a test that ran DVC in this process before may have left
+        # a handler there bound to that test's (now closed) captured stream: log into `err` for this call only.
+        dvc_log = logging.getLogger("dvc")
+        saved = dvc_log.handlers[:], dvc_log.propagate
         try:
             with contextlib.redirect_stderr(io.StringIO()) as err, contextlib.redirect_stdout(io.StringIO()):
+                dvc_log.handlers, dvc_log.propagate = [logging.StreamHandler(err)], False
                 _dvc_parser().parse_args(args)
         except (DvcParserError, SystemExit):
             return f"dvc {' '.join(args)}: DVC refuses it: {err.getvalue().strip().splitlines()[-1:]}"
+        finally:
+            dvc_log.handlers, dvc_log.propagate = saved
     if path[1:] == ["repro"]:
         bad = [t for t in rest if not t.startswith("-") and t != PLACEHOLDER and t not in dvc_stages()]
         if bad:
