@@ -72,3 +72,11 @@ def env() -> dict:
     e = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
     e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")
     return e
+
+
+def add_model_args(ap, root: Path) -> None:
+    """The arguments of the benchmarks that serve or run one exported model of a pipeline run: ``--workdir`` (the
+    folder with models/ and data/, default ``root``), ``--model`` (relative to it) and ``--source`` (the images)."""
+    ap.add_argument("--workdir", type=Path, default=root, help="folder with models/ and data/ of a pipeline run")
+    ap.add_argument("--model", default="models/model.onnx", help="relative to --workdir")
+    ap.add_argument("--source", default=str(root / "data" / "coco128" / "train2017"))

@@ -22,6 +22,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks._workdir import add_model_args  # noqa: E402
+
 import onnxruntime as ort  # noqa: E402
 
 from detpipe.export.batched import graph_size, feed  # noqa: E402
@@ -40,9 +42,7 @@ def session(path: Path, spin: bool, threads: int = 0) -> ort.InferenceSession:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workdir", type=Path, default=ROOT, help="folder with models/ and data/ of a pipeline run")
-    ap.add_argument("--model", default="models/model.onnx", help="relative to --workdir")
-    ap.add_argument("--source", default=str(ROOT / "data" / "coco128" / "train2017"))
+    add_model_args(ap, ROOT)
     ap.add_argument("--images", type=int, default=32)
     ap.add_argument("--batch-size", type=int, default=BATCH_SIZE)
     ap.add_argument("--repeats", type=int, default=3)

@@ -43,6 +43,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from benchmarks._workdir import add_model_args  # noqa: E402
 sys.path.insert(0, str(ROOT / "tests"))
 
 import httpx  # noqa: E402
@@ -137,9 +139,7 @@ def serve_interleaved(model: Path, data: Path, logs: Path, sizes: tuple[int, ...
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workdir", type=Path, default=ROOT, help="folder with models/ and data/ of a pipeline run")
-    ap.add_argument("--model", default="models/model.onnx", help="relative to --workdir")
-    ap.add_argument("--source", default=str(ROOT / "data" / "coco128" / "train2017"))
+    add_model_args(ap, ROOT)
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--batch-size", type=int, default=BATCH_SIZE, help="predict's batch and the server's --max-batch")

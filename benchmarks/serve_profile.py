@@ -32,6 +32,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks._workdir import add_model_args  # noqa: E402
+
 from detpipe.predict import BATCH_SIZE, list_sources, load_predictor  # noqa: E402
 from detpipe.serve.intake import decode  # noqa: E402
 
@@ -45,9 +47,7 @@ def timed(fn) -> tuple[float, float, object]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workdir", type=Path, default=ROOT, help="folder with models/ and data/ of a pipeline run")
-    ap.add_argument("--model", default="models/model.onnx", help="relative to --workdir")
-    ap.add_argument("--source", default=str(ROOT / "data" / "coco128" / "train2017"))
+    add_model_args(ap, ROOT)
     ap.add_argument("--images", type=int, default=32)
     ap.add_argument("--batch-size", type=int, default=BATCH_SIZE, help="the batched side's images per model call")
     ap.add_argument("--repeats", type=int, default=3)
