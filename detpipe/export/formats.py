@@ -166,8 +166,41 @@ def network_nodes(onnx_model, raw_names: list[str]) -> list[str]:
             if node.op_type in QUANTIZED_OPS and node.name in ancestors and node.name in descendants]
 
 
+def float_closure(onnx_model, layers: list[str], nodes: list[str]) -> list[str]:
+    """The nodes of ``nodes`` (quantizable, `network_nodes`) that must stay unquantized in onnxruntime's QDQ
+    file for each of ``layers`` (``Conv`` names, e.g. those NNCF's accuracy control reverted) to run on a float
+    input: the layer itself, and walking up from its activation input (``input[0]``) every producer whose outputs
+    feed nothing but that chain (activations, then the first ``Conv``, included, where the walk stops).
+    onnxruntime's QDQ quantizer puts a quantizer on a quantized ``Conv``'s *output* too
+    (``onnxruntime.quantization.operators.conv.QDQConv``), so excluding the layer alone would leave its input on
+    an 8-bit grid; a producer whose output also feeds another node (a residual ``Add``) stays quantized."""
+    graph = onnx_model.graph
+    producer = {out: node for node in graph.node for out in node.output}
+    consumers: dict[str, list[str]] = {}
+    for node in graph.node:
+        for i in node.input:
+            consumers.setdefault(i, []).append(node.name)
+    allowed, out = set(nodes), []
+    by_name = {node.name: node for node in graph.node}
+    for name in layers:
+        node = by_name.get(name)
+        if node is None:
+            continue
+        chain = [name]
+        while node.input and node.input[0] in producer:
+            up = producer[node.input[0]]
+            if up.name not in allowed or any(set(consumers.get(o, [])) - set(chain) for o in up.output):
+                break
+            chain.append(up.name)
+            if up.op_type == "Conv":
+                break
+            node = up
+        out += [n for n in chain if n not in out]
+    return out
+
+
 def quantize_int8(onnx_path: Path, out_path: Path, calibration: list[torch.Tensor], raw_names: list[str],
-                  score_head_float: bool = True) -> Callable:
+                  score_head_float: bool = True, keep_float: list[str] = ()) -> Callable:
     """Post-training static int8 quantization of the ONNX file with onnxruntime
     (``onnxruntime.quantization.quantize_static``, https://onnxruntime.ai/docs/performance/model-optimizations/quantization.html):
     QDQ format, activations ``QUInt8`` (asymmetric, MinMax calibration over ``calibration``), weights ``QInt8`` per
@@ -184,6 +217,8 @@ def quantize_int8(onnx_path: Path, out_path: Path, calibration: list[torch.Tenso
         raw_names: the raw head outputs (`detpipe.export.exporter.DetectionExport.output_names`).
         score_head_float: keep the score head float32 (False: every network node int8, the pre-issue-50 file,
             for comparison in benchmarks).
+        keep_float: ``Conv`` names to keep float32 too, with the activation chain feeding only them
+            (`float_closure`; the layers NNCF's accuracy control reverted, `detpipe.export.quantize`).
     Raises:
         StageError: no calibration image, or onnxruntime could not quantize the graph.
     """
@@ -210,6 +245,9 @@ def quantize_int8(onnx_path: Path, out_path: Path, calibration: list[torch.Tenso
     if score_head_float:
         head = set(score_head_nodes(model, raw_names))
         nodes = [n for n in nodes if n not in head]
+    if keep_float:
+        excluded = set(float_closure(model, list(keep_float), nodes))
+        nodes = [n for n in nodes if n not in excluded]
     if not nodes:
         raise StageError(f"{onnx_path}: no convolutional network between the input and the raw outputs "
                          f"{raw_names} to quantize")

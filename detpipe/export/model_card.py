@@ -119,6 +119,9 @@ int8 quantizer: {{ q['method'] }}\
 {% elif q.get('score_head') %}
 ; score head kept float by rule: {{ q['score_head'] | join(', ') }}\
 {% endif %}
+{% if q.get('file') %}
+; file written: {{ q['file']['kept'] }} ({{ q['file']['why'] }})\
+{% endif %}
 . Scores (val, int8 vs eager): {{ report['formats']['int8']['scores']['int8']['count'] }} vs \
 {{ report['formats']['int8']['scores']['eager']['count'] }} detections at score >= \
 {{ report['formats']['int8']['scores']['count_score'] }}; 90th percentile \

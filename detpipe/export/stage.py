@@ -216,21 +216,24 @@ def _int8(tmp: Path, cfg: params_mod.Export, eager_wrapper: DetectionExport, eag
     eager_ap = coco_ap(eager_results, gt, "eager predictions")
     eager_count = sum(r["score"] >= cfg.count_score for r in eager_results)
     t1 = time.perf_counter()
+
+    def check(run: Callable, what: str) -> dict:   # a candidate file's AP, AP50 and count, and the gate's verdict
+        res = val_results(run, val, l2c, masks)
+        ap = coco_ap(res, gt, f"predictions of {what} {FILES['int8']}")
+        count = sum(r["score"] >= cfg.count_score for r in res)
+        return {"AP": ap["AP"], "AP50": ap["AP50"], "count": count,
+                "ok": accuracy_gate(eager_ap, ap, cfg.max_ap_drop)["ok"]
+                and count_check(count, eager_count, cfg.max_count_ratio)}
     method, first = cfg.int8_method, None
     if method in ("plain", "auto"):
         run = quantize_int8(tmp / FILES["onnx"], tmp / FILES["int8"], calib, names)
         quantizer = {"method": "plain (onnxruntime quantize_static, QDQ, every network layer but the score head)",
                      "score_head": score_head_nodes(onnx.load(str(tmp / FILES["onnx"])), names)}
         if method == "auto":   # the fast plain file when it passes the gate, else accuracy control
-            res = val_results(run, val, l2c, masks)
-            ap = coco_ap(res, gt, f"predictions of plain {FILES['int8']}")
-            count = sum(r["score"] >= cfg.count_score for r in res)
-            first = {"AP": ap["AP"], "AP50": ap["AP50"], "count": count,
-                     "ok": accuracy_gate(eager_ap, ap, cfg.max_ap_drop)["ok"]
-                     and count_check(count, eager_count, cfg.max_count_ratio)}
+            first = check(run, "plain")
             method = "plain" if first["ok"] else "accuracy_control"
-            log.info("int8 auto: plain quantizer AP %.4f AP50 %.4f, %d detections: %s", ap["AP"], ap["AP50"],
-                     count, "kept" if first["ok"] else "fails its gate, accuracy control next")
+            log.info("int8 auto: plain quantizer AP %.4f AP50 %.4f, %d detections: %s", first["AP"],
+                     first["AP50"], first["count"], "kept" if first["ok"] else "fails its gate, accuracy control next")
     if method == "accuracy_control":
         from detpipe.export.batched import feed, onnx_graph_size
 
@@ -240,7 +243,8 @@ def _int8(tmp: Path, cfg: params_mod.Export, eager_wrapper: DetectionExport, eag
         quantizer = quantize_accuracy_control(
             tmp / FILES["onnx"], tmp / FILES["int8"], calib, names, list(range(len(val))),
             lambda i: feed([val[i][0]], size), metric, cfg.max_ap_drop)
-        run = onnx_runner(onnx.load(str(tmp / FILES["int8"])))
+        run = (_onnxruntime_layout(tmp, calib, names, quantizer, check)
+               or onnx_runner(onnx.load(str(tmp / FILES["int8"]))))
     if first is not None:
         quantizer["auto_plain_first"] = first
     t2 = time.perf_counter()
@@ -277,6 +281,47 @@ def _int8(tmp: Path, cfg: params_mod.Export, eager_wrapper: DetectionExport, eag
             "quantizer": quantizer, "calibration_images": len(calib), "val_images": len(val),
             "raw_figures": figures["raw"], "detections": figures["detections"],
             "seconds": {"eager_val": t1 - t0, "quantize": t2 - t1, "int8_val": t3 - t2}}
+
+
+def _onnxruntime_layout(tmp: Path, calib: list[torch.Tensor], names: list[str], quantizer: dict,
+                        check: Callable) -> Callable | None:
+    """NNCF's file is laid out for OpenVINO (onnxruntime fuses few of its convolutions into int8 kernels: slow
+    there, docs/export.md): write the same choice of float layers with onnxruntime's own quantizer
+    (`detpipe.export.formats.quantize_int8`, ``keep_float``: the layers the accuracy control reverted, with the
+    activations feeding only them) to a side file, check it with ``check`` (the gate's figures) and keep it in
+    place of NNCF's file when it passes. Records ``quantizer["file"]`` (which file was kept and why, both
+    candidates' figures) and, when kept, its ``kept_float``/``quantized_layers``. Returns its runner, or None
+    (NNCF's file stays)."""
+    import onnx
+
+    from detpipe.export.formats import network_nodes
+    from detpipe.export.quantize import float_layers
+
+    side = tmp / FILES["int8"].replace(".int8.onnx", ".ort.onnx")
+    try:
+        run = quantize_int8(tmp / FILES["onnx"], side, calib, names, keep_float=quantizer["reverted"])
+        figures = check(run, "onnxruntime-layout")
+    except StageError as e:
+        figures = {"ok": False, "error": str(e)}
+    quantizer["file"] = {"onnxruntime": {**figures, "keep_float": quantizer["reverted"]}}
+    if not figures["ok"]:
+        side.unlink(missing_ok=True)
+        quantizer["file"].update(kept="nncf", why="onnxruntime's quantizer with the accuracy control's float layers "
+                                 "fails the gate (its figures under onnxruntime); NNCF's own file is written")
+        log.info("int8: onnxruntime layout of the accuracy control's choice fails the gate, NNCF's file kept")
+        return None
+    side.replace(tmp / FILES["int8"])
+    network = set(network_nodes(onnx.load(str(tmp / FILES["onnx"])), names))
+    model = onnx.load(str(tmp / FILES["int8"]))
+    kept = float_layers(model, [n.name for n in model.graph.node if n.op_type in ("Conv", "Gemm", "MatMul")
+                               and n.name in network])
+    quantizer.update(kept_float=kept, quantized_layers=quantizer["layers"] - len(kept),
+                     method="accuracy_control (NNCF quantize_with_accuracy_control chose the float layers; written "
+                     "by onnxruntime quantize_static, QDQ)")
+    quantizer["file"].update(kept="onnxruntime", why="onnxruntime's quantizer with the accuracy control's float "
+                             "layers passes the gate; its QDQ layout runs as int8 kernels in onnxruntime")
+    log.info("int8: onnxruntime layout of the accuracy control's choice passes, kept (%d layers float)", len(kept))
+    return run
 
 
 def _gate_failed(report: dict, fmt: str, message: str, tmp: Path, cfg: params_mod.Export) -> None:
