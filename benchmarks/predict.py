@@ -19,8 +19,14 @@ The learns-fitted model (docs/benchmarks.md's second figure): ``--workdir`` a co
 fixture's folder (tests/conftest.py) after ``python -m stages.export`` there.
 
 With ``--plain-int8`` the plain quantizer's file (`make_plain_int8`, ``models/int8_plain/``) is timed beside the
-stage's int8 (accuracy-controlled by default). int8 rows give the AP drop (the larger of AP and AP50, measured in
-this run) and the layers kept float (export_report.json). Prints one row per format and, as the last line,
+stage's int8 (accuracy-controlled by default). ``int8_nncf`` (``models/int8_nncf/model.int8.onnx``, timed when
+present) is for NNCF's own accuracy-controlled file beside the stage's onnxruntime layout of it (docs/export.md
+says how it was kept). int8 rows give the AP drop (the larger of AP and AP50, measured in this run) and the layers
+kept float (network ``Conv``/``Gemm``/``MatMul`` nodes without int8 weights, counted in the file itself).
+
+The model where the plain quantizer fails (docs/export.md, "Proof on a model where plain int8 fails"):
+``python tests/support/outliers.py FITTED DEST`` makes ``DEST`` from the learns-fitted workdir ``FITTED``; then
+``python -m stages.export`` there with ``export.formats: [openvino, int8]``. Prints one row per format and, as the last line,
 ``ratio: <best int8 images/s / eager images/s>`` of the whole predict, the best among the int8 rows whose drop is
 within the export's ``max_ap_drop`` (goal >= 2.5 on 2 CPU cores).
 """
@@ -40,7 +46,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 FORMATS = {"eager": "models/model.pt", "onnx": "models/model.onnx", "openvino": "models/openvino/model.xml",
-           "int8": "models/int8/model.int8.onnx", "int8_plain": "models/int8_plain/model.int8.onnx"}
+           "int8": "models/int8/model.int8.onnx", "int8_plain": "models/int8_plain/model.int8.onnx",
+           "int8_nncf": "models/int8_nncf/model.int8.onnx"}
 PLAIN = "int8_plain"   # made here (``--plain-int8``) from models/model.onnx: the plain quantizer beside the stage's
 
 
@@ -64,9 +71,15 @@ def make_plain_int8(workdir: Path) -> None:
 
 def gate_figures(workdir: Path, fmt: str, row: dict, eager: dict | None) -> tuple[str, str, bool]:
     """(AP drop text, layers kept float text, passes the export gate's ``max_ap_drop``) of an int8 row: the drop
-    is the larger of eager's AP and AP50 minus the row's, measured in this run; kept float from
-    ``models/export_report.json`` (the stage's int8 file only)."""
+    is the larger of eager's AP and AP50 minus the row's, measured in this run; kept float counted in the row's
+    file (`detpipe.export.quantize.float_layers` over the network's layers, `detpipe.export.formats.network_nodes`);
+    the bound from ``models/export_report.json``."""
     import json as _json
+
+    import onnx
+
+    from detpipe.export.formats import network_nodes
+    from detpipe.export.quantize import float_layers
 
     report = _json.loads((workdir / "models/export_report.json").read_text())
     entry = report["formats"].get("int8", {})
@@ -74,14 +87,10 @@ def gate_figures(workdir: Path, fmt: str, row: dict, eager: dict | None) -> tupl
     if eager is None:
         return "-", "-", False
     drop = max(eager["AP"] - row["AP"], eager["AP50"] - row["AP50"])
-    if fmt == PLAIN:   # the score head (`score_head_nodes`), kept float by rule
-        import onnx
-
-        from detpipe.export.formats import score_head_nodes
-
-        kept = str(len(score_head_nodes(onnx.load(str(workdir / FORMATS["onnx"])), report["raw_outputs"])))
-    else:
-        kept = str(len(entry.get("quantizer", {}).get("kept_float", []))) if entry else "-"
+    network = set(network_nodes(onnx.load(str(workdir / FORMATS["onnx"])), report["raw_outputs"]))
+    model = onnx.load(str(workdir / FORMATS[fmt]))   # counted in the file itself: Conv/Gemm/MatMul without int8 weights
+    kept = str(len(float_layers(model, [n.name for n in model.graph.node
+                                        if n.op_type in ("Conv", "Gemm", "MatMul") and n.name in network])))
     return f"{drop:.4f}", kept, drop <= limit + 1e-12
 
 
