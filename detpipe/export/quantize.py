@@ -14,6 +14,10 @@ own metric. Our metric (`ap_metric`) is the val COCO AP the gate checks, so NNCF
 What NNCF may quantize is the convolutional network between the input and the raw head outputs
 (`detpipe.export.formats.network_nodes`) minus the score head (`score_head_nodes`): the rest (input normalisation,
 resize arithmetic, softmax, box decoding, top-k, NMS) is given to it as an ignored scope and stays float32.
+
+NNCF lays its QDQ graph out for OpenVINO, slow in onnxruntime (docs/export.md): the export stage then writes the
+layers it reverted with onnxruntime's own quantizer (`detpipe.export.formats.quantize_int8` ``keep_float``) and
+keeps that file when it passes the gate (`detpipe.export.stage._onnxruntime_layout`).
 """
 from __future__ import annotations
 

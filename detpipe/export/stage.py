@@ -15,7 +15,7 @@ then the raw pre-NMS head outputs; ``models/torchscript/`` (empty, or with ``exp
 ``models/export_report.json`` and ``models/model_card.md``. With ``export.formats`` (opt-in, default ``[]``;
 `detpipe.export.formats`), from the checked ONNX file: ``models/openvino/model.xml`` + ``model.bin`` (OpenVINO IR,
 float32, same signature) and ``models/int8/model.int8.onnx`` (int8 QDQ: NNCF's accuracy control,
-`detpipe.export.quantize`, or with ``export.int8_method: plain`` onnxruntime static quantization; calibrated on
+`detpipe.export.quantize`, its choice of float layers written by onnxruntime's quantizer when that file passes, or with ``export.int8_method: plain`` onnxruntime static quantization; calibrated on
 ``export.calibration_images`` images of ``data/cache/train``); their folders stay empty otherwise.
 
 Parity gate, on ``export.num_images`` val images (a batched graph: all in one call, plus the first image's top
@@ -177,7 +177,8 @@ def _int8(tmp: Path, cfg: params_mod.Export, eager_wrapper: DetectionExport, eag
           names: list[str], masks: bool, cache_dir: Path, arrow_dir: Path,
           calibration: list[torch.Tensor] | None, validate: Callable | None = None) -> dict:
     """Quantize ``tmp/model.onnx`` to ``tmp/`` ``FILES["int8"]`` (``cfg.int8_method``: NNCF's accuracy control,
-    `detpipe.export.quantize.quantize_accuracy_control`, with our val AP as its validation function; plain
+    `detpipe.export.quantize.quantize_accuracy_control`, with our val AP as its validation function, its choice of
+    float layers then written by onnxruntime's quantizer when that file passes, `_onnxruntime_layout`; plain
     onnxruntime QDQ, `detpipe.export.formats.quantize_int8`; auto: plain, then accuracy control when the plain file
     fails this gate, the plain figures under ``quantizer["auto_plain_first"]``) and gate it: COCO AP and AP50
     (bbox, 0-1) of the int8
@@ -195,7 +196,8 @@ def _int8(tmp: Path, cfg: params_mod.Export, eager_wrapper: DetectionExport, eag
         (`detpipe.export.formats.accuracy_gate`), ``scores`` (`detpipe.export.quantize.score_figures` of eager and
         int8, ``count_ratio``, ``max_count_ratio``, ``ok``), ``quantizer`` (method; accuracy control: the layers
         kept float and reverted; both: ``score_head``, the convolutions kept float by rule),
-        ``calibration_images``, ``val_images`` and the raw-output figures (not gated).
+        ``calibration_images``, ``val_images`` and the raw-output figures (not gated); accuracy control:
+        ``quantizer["file"]``, which file was written and why (`_onnxruntime_layout`).
     """
     import onnx
 
