@@ -15,8 +15,9 @@ then the raw pre-NMS head outputs; ``models/torchscript/`` (empty, or with ``exp
 ``models/export_report.json`` and ``models/model_card.md``. With ``export.formats`` (opt-in, default ``[]``;
 `detpipe.export.formats`), from the checked ONNX file: ``models/openvino/model.xml`` + ``model.bin`` (OpenVINO IR,
 float32, same signature) and ``models/int8/model.int8.onnx`` (int8 QDQ: NNCF's accuracy control,
-`detpipe.export.quantize`, its choice of float layers written by onnxruntime's quantizer when that file passes, or with ``export.int8_method: plain`` onnxruntime static quantization; calibrated on
-``export.calibration_images`` images of ``data/cache/train``); their folders stay empty otherwise.
+`detpipe.export.quantize`, its choice of float layers written by onnxruntime's quantizer when that file passes,
+or with ``export.int8_method: plain`` onnxruntime static quantization; calibrated on ``export.calibration_images``
+images of ``data/cache/train``); their folders stay empty otherwise.
 
 Parity gate, on ``export.num_images`` val images (a batched graph: all in one call, plus the first image's top
 three quarters when they all have one size, so that two original sizes are checked): every raw head output (before top-k and NMS, so that ties among
