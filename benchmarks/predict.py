@@ -20,15 +20,16 @@ fixture's folder (tests/conftest.py) after ``python -m stages.export`` there.
 
 With ``--plain-int8`` the plain quantizer's file (`make_plain_int8`, ``models/int8_plain/``) is timed beside the
 stage's int8 (accuracy-controlled by default). ``int8_nncf`` (``models/int8_nncf/model.int8.onnx``, timed when
-present) is for NNCF's own accuracy-controlled file beside the stage's onnxruntime layout of it (docs/export.md
-says how it was kept). int8 rows give the AP drop (the larger of AP and AP50, measured in this run) and the layers
+present) is for NNCF's own accuracy-controlled file beside the stage's onnxruntime layout of it. int8 rows give the AP drop (the larger of AP and AP50, measured in this run) and the layers
 kept float (network ``Conv``/``Gemm``/``MatMul`` nodes without int8 weights, counted in the file itself).
 
 The model where the plain quantizer fails (docs/export.md, "Proof on a model where plain int8 fails"):
 ``python tests/support/outliers.py FITTED DEST`` makes ``DEST`` from the learns-fitted workdir ``FITTED``; then
-``python -m stages.export`` there with ``export.formats: [openvino, int8]``. Prints one row per format and, as the last line,
-``ratio: <best int8 images/s / eager images/s>`` of the whole predict, the best among the int8 rows whose drop is
-within the export's ``max_ap_drop`` (goal >= 2.5 on 2 CPU cores).
+``python -m stages.export`` there with ``export.formats: [openvino, int8]``.
+
+Prints one row per format and, as the last line, ``ratio: <best int8 images/s / eager images/s>`` of the whole
+predict, the best among the int8 rows whose drop is within the export's ``max_ap_drop`` (goal >= 2.5 on 2 CPU
+cores). ``int8_nncf`` is made by hand: docs/measurements.md says how (NNCF's file, copied aside during the export).
 """
 from __future__ import annotations
 

@@ -182,9 +182,9 @@ def test_float_closure_keeps_the_reader_input_float():
     from detpipe.export.formats import float_closure
 
     w = numpy_helper.from_array(np.ones((1, 1, 1, 1), np.float32), "w")
-    nodes = [helper.make_node("Conv", ["x", "w"], ["a"], name="c1"), helper.make_node("Relu", ["a"], ["b"], name="r1"),
-             helper.make_node("Conv", ["b", "w"], ["c"], name="c2"), helper.make_node("Relu", ["c"], ["d"], name="r2"),
-             helper.make_node("Conv", ["d", "w"], ["e"], name="c3"), helper.make_node("Add", ["d", "e"], ["y"], name="add")]
+    wiring = [("Conv", ["x", "w"], "a", "c1"), ("Relu", ["a"], "b", "r1"), ("Conv", ["b", "w"], "c", "c2"),
+              ("Relu", ["c"], "d", "r2"), ("Conv", ["d", "w"], "e", "c3"), ("Add", ["d", "e"], "y", "add")]
+    nodes = [helper.make_node(op, inputs, [out], name=name) for op, inputs, out, name in wiring]
     io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1, 1, 2, 2]) for n in ("x", "y")]
     model = helper.make_model(helper.make_graph(nodes, "g", io[:1], io[1:], [w]))
     onnx.checker.check_model(model)
