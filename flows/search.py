@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m flows.search [--set KEY=VALUE ...] [--repo PATH]``: one search in this process. KEY is a key of
     the ``search`` section (``n_trials=3``) or ``space.<section>.<key>`` (``'space.train.lr=loguniform 1e-5 1'``),
     VALUE read as YAML. Prints the result as JSON and ``best: <experiment>``. Exit status 0, 2 on bad settings,
-    1 when the search fails."""
+    1 when the search fails or every trial it ran failed (`all_failed`)."""
     from pydantic import ValidationError
     from ruamel.yaml import YAML
 
@@ -143,7 +143,23 @@ def main(argv: list[str] | None = None) -> int:
     out = state.result()
     print(json.dumps(out, indent=2))
     print(f"best: {out['best']['experiment'] if out['best'] else '(no trial completed)'}")
+    failure = all_failed(out)
+    if failure:
+        print(f"error: {failure}", file=sys.stderr)
+        return 1
     return 0
+
+
+def all_failed(out: dict) -> str | None:
+    """Why a finished search run failed as a whole, or None: every trial it ran ended FAIL (a broken stage or bad
+    search space fails each trial alike; the flow itself completes). ``out``: `search`'s result. A run that ran no
+    trial (the study had its ``n_trials`` already) or whose trials were pruned has not failed."""
+    rows = out.get("trials") or []
+    if not rows or any(r["state"] != "FAIL" for r in rows):
+        return None
+    names = ", ".join(r["experiment"] for r in rows)
+    return (f"every trial of this search failed ({len(rows)}: {names}); the train flow runs of those names "
+            f"say why")
 
 
 if __name__ == "__main__":

@@ -116,3 +116,19 @@ def test_parallel_lanes_draw_different_params(tmp_path):
     me = search_ops.owner()
     first, second = search_ops.claim(a, cfg, tmp_path, me), search_ops.claim(b, cfg, tmp_path, me)
     assert (first[0], second[0]) == (0, 1) and first[1] != second[1], (first, second)
+
+
+def test_a_search_whose_every_trial_failed_exits_1():
+    """`flows.search.all_failed` (``python -m flows.search``'s exit status 1): every trial of the run FAIL is a
+    failed search, naming the trials; one COMPLETE or PRUNED trial among failures, or no trial run at all (the
+    study was full already), is not."""
+    from flows.search import all_failed
+
+    def row(n, state):
+        return {"trial": n, "experiment": f"s-t{n}", "state": state, "value": None, "params": {}, "resumed": False}
+
+    failed = all_failed({"trials": [row(0, "FAIL"), row(1, "FAIL")], "best": None})
+    assert failed and "every trial of this search failed (2: s-t0, s-t1)" in failed, failed
+    assert all_failed({"trials": [row(0, "FAIL"), row(1, "PRUNED")], "best": None}) is None
+    assert all_failed({"trials": [row(0, "COMPLETE"), row(1, "FAIL")], "best": {"trial": 0}}) is None
+    assert all_failed({"trials": [], "best": None}) is None
