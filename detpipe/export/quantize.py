@@ -188,6 +188,15 @@ def count_check(count: int, reference: int, max_ratio: float) -> bool:
     return reference / max_ratio - 1e-9 <= count <= reference * max_ratio + 1e-9
 
 
+def count_ratio(count: int, reference: int) -> float | None:
+    """int8's count of detections at or above the counting score ÷ eager's (``reference``), as the report and
+    ``metrics/export.json`` give it: 1.0 when both are 0 (equal counts, which `count_check` passes), None when only
+    eager's is 0 (no ratio: `count_check` fails it)."""
+    if reference == 0:
+        return 1.0 if count == 0 else None
+    return count / reference
+
+
 def score_figures(results: list[dict], count_score: float) -> dict:
     """The score distribution of COCO results: ``count`` at or above ``count_score``, ``total``, and the 50th, 90th
     and 99th percentiles and maximum of every score (0-1; None without detections)."""

@@ -205,8 +205,8 @@ def _int8(tmp: Path, cfg: params_mod.Export, eager_wrapper: DetectionExport, eag
     from detpipe.data.meta import read_meta
     from detpipe.evaluation.detections import label_to_category_id
     from detpipe.evaluation.ground_truth import gt_from_arrow
-    from detpipe.export.quantize import (ap_metric, count_check, onnx_runner, quantize_accuracy_control,
-                                         score_figures)
+    from detpipe.export.quantize import (ap_metric, count_check, count_ratio, onnx_runner,
+                                         quantize_accuracy_control, score_figures)
 
     t0 = time.perf_counter()
     calib = calibration if calibration is not None else calibration_images(cache_dir, cfg.calibration_images)
@@ -258,7 +258,7 @@ def _int8(tmp: Path, cfg: params_mod.Export, eager_wrapper: DetectionExport, eag
     scores = {"eager": score_figures(eager_results, cfg.count_score),
               "int8": score_figures(int8_results, cfg.count_score), "count_score": cfg.count_score,
               "max_count_ratio": cfg.max_count_ratio}
-    scores["count_ratio"] = scores["int8"]["count"] / max(scores["eager"]["count"], 1)
+    scores["count_ratio"] = count_ratio(scores["int8"]["count"], scores["eager"]["count"])
     scores["ok"] = count_check(scores["int8"]["count"], scores["eager"]["count"], cfg.max_count_ratio)
     with torch.inference_mode():
         outs = [split_outputs(run(im), masks) for im in images]
@@ -349,7 +349,8 @@ def gate_metrics(report: dict) -> dict:
         r = report["formats"]["int8"]
         out["int8"] = {"AP_drop": round(r["accuracy"]["drop"]["AP"], 6),
                        "AP50_drop": round(r["accuracy"]["drop"]["AP50"], 6),
-                       "count_ratio": round(r["scores"]["count_ratio"], 4),
+                       "count_ratio": (None if r["scores"]["count_ratio"] is None
+                                       else round(r["scores"]["count_ratio"], 4)),
                        "kept_float": len(r["quantizer"].get("kept_float", []))}
     return out
 

@@ -169,6 +169,25 @@ def test_count_check_refuses_the_issue_drift():
     assert score_figures([], 0.25) == {"count": 0, "total": 0, "p50": None, "p90": None, "p99": None, "max": None}
 
 
+def test_count_ratio_of_no_detections_is_equal_not_zero():
+    """`count_ratio` (the report's and ``metrics/export.json``'s ``int8.count_ratio``): both counts 0 is 1.0, as
+    `count_check` passes it (it read 0.0, like a collapse, before); only eager's 0 has no ratio (None, JSON null),
+    as `count_check` fails it; otherwise int8 ÷ eager."""
+    from detpipe.export.quantize import count_check, count_ratio
+
+    limit = Export().max_count_ratio
+    assert count_ratio(0, 0) == 1.0 and count_check(0, 0, limit)
+    assert count_ratio(5, 0) is None and not count_check(5, 0, limit)
+    assert count_ratio(0, 611) == 0.0 and count_ratio(4414, 611) == pytest.approx(7.2242, abs=1e-4)
+    from detpipe.export.stage import gate_metrics
+
+    report = {"formats": {"onnx": {}, "int8": {"accuracy": {"drop": {"AP": 0.0, "AP50": 0.0}},
+                                               "scores": {"count_ratio": count_ratio(0, 0)}, "quantizer": {}}}}
+    assert gate_metrics(report)["int8"]["count_ratio"] == 1.0
+    report["formats"]["int8"]["scores"]["count_ratio"] = count_ratio(3, 0)
+    assert gate_metrics(report)["int8"]["count_ratio"] is None
+
+
 def test_float_closure_keeps_the_reader_input_float():
     """`float_closure` (what the onnxruntime layout of NNCF's choice excludes): for a reverted ``Conv`` it takes the
     activation and the ``Conv`` that feed only it (onnxruntime would put the producer's output quantizer on the
