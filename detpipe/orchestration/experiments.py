@@ -86,11 +86,10 @@ def summarize(ws: Path, stages: dict[str, str], experiment: str, ref: str, overr
     The md5s are those ``dvc.lock`` records, read by DVC (`detpipe.orchestration.workspace.locked_outs`).
 
     Raises:
-        detpipe.orchestration.processes.CommandError: ``dvc cache dir`` fails.
         OSError: no ``dvc.lock`` or ``metrics/eval.json`` (the pipeline did not finish).
         dvc.exceptions.DvcException: DVC cannot read dvc.yaml or dvc.lock.
     """
-    cache = Path(run_logged(dvc("cache", "dir"), ws, logger)[-1])
+    cache = workspace.cache_dir(ws)
     outs = workspace.locked_outs(ws)
     files = {p: cache / "files" / "md5" / h[:2] / h[2:] for p, h in outs.items()}
     where = (lambda p: {"remote": remotes.uri(outs[p])}) if remotes else (lambda p: {"cache": str(files[p])})

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import subprocess
 from pathlib import Path
 from typing import Iterator
 
@@ -148,13 +147,31 @@ def add_worktree(repo: Path, path: Path, rev: str = "HEAD") -> None:
     DVC cache is ``repo``'s.
 
     Raises:
-        subprocess.CalledProcessError: git or DVC failed.
+        subprocess.CalledProcessError: git failed.
+        dvc.exceptions.DvcException: DVC cannot read or write the config.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     git(repo, "worktree", "add", "--detach", str(path), rev)
-    cache = subprocess.run(dvc("cache", "dir"), cwd=repo, capture_output=True, text=True, check=True).stdout
-    subprocess.run(dvc("config", "--local", "cache.dir", str((repo / cache.strip()).resolve())), cwd=path,
-                   check=True, capture_output=True)
+    set_cache_dir(path, cache_dir(repo))
+
+
+def cache_dir(root: Path) -> Path:
+    """The DVC cache folder of the repository (or worktree) ``root``, absolute: what ``dvc cache dir`` prints, read
+    by DVC in this process (`dvc.repo.Repo`; a ``dvc`` command costs a Python start and DVC's imports, about
+    0.3 s of CPU). Raises `dvc.exceptions.DvcException` when DVC cannot read the repository's config."""
+    from dvc.repo import Repo
+
+    with Repo(str(root)) as repo:
+        return Path(repo.cache.local_cache_dir).resolve()
+
+
+def set_cache_dir(root: Path, cache: Path) -> None:
+    """Make ``cache`` the DVC cache of ``root`` in its local config (``.dvc/config.local``), as ``dvc config --local
+    cache.dir <cache>`` does, by DVC in this process. Raises `dvc.exceptions.DvcException` (config unreadable)."""
+    from dvc.repo import Repo
+
+    with Repo(str(root)) as repo, repo.config.edit(level="local") as conf:
+        conf["cache"]["dir"] = str(cache)
 
 
 def _create(root: Path, ws: Path, logger, experiment: str | None, pull: bool) -> None:
@@ -197,7 +214,8 @@ def isolated(root: Path, run_id: str, logger, experiment: str | None = None, pul
         pull: with ``experiment``, ``dvc pull --allow-missing`` what its ``dvc.lock`` records.
 
     Raises:
-        subprocess.CalledProcessError: git or DVC could not create it.
+        subprocess.CalledProcessError: git or a DVC command could not create it.
+        dvc.exceptions.DvcException: DVC could not read or write its config.
     """
     ws = root / RUNS_DIR / run_id
     if (ws / ".git").exists():
